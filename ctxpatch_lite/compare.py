@@ -1,0 +1,125 @@
+"""Regression runs of Algorithm 1 under the paper's protocol.
+
+    python -m ctxpatch_lite.compare --prompt "..." --tokens 20 --dtype float32 --variant naive --json out.json
+
+``--prompt-file`` takes a text file (one prompt) or a JSON list / ``data/prompts.json``-style file (every prompt
+is run; the JSON then holds one record per prompt under ``runs`` plus the pooled summary). Bad arguments exit
+with status 2 and one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .algorithm import MODES, PatchConfig
+from .engine import APPLY_MODES, H_SOURCES, VARIANTS, UnsupportedArchitectureError
+from .metrics import aggregate, format_fraction
+from .models import DTYPES, ModelLoadError
+
+
+def read_prompts(path: str) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"prompt file {path} does not exist")
+    text = p.read_text()
+    if p.suffix == ".json":
+        data = json.loads(text)
+        items = data["prompts"] if isinstance(data, dict) else data
+        return [{"id": it.get("id", f"p{i}"), "text": it["text"]} if isinstance(it, dict) else
+                {"id": f"p{i}", "text": str(it)} for i, it in enumerate(items)]
+    return [{"id": p.stem, "text": text.strip()}]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m ctxpatch_lite.compare", description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text (its last token is the first query)")
+    src.add_argument("--prompt-file", help="a .txt file with one prompt, or a .json list of prompts")
+    ap.add_argument("--tokens", type=int, default=20, help="generated tokens per prompt (default 20)")
+    ap.add_argument("--dtype", default="float32", help=f"model dtype: {', '.join(DTYPES)}")
+    ap.add_argument("--patch-dtype", default=None, help="dtype the patches are built in (default: float32, or "
+                                                        "float64 for float64 models)")
+    ap.add_argument("--variant", default="naive", help=f"{' | '.join(VARIANTS)}")
+    ap.add_argument("--start-layer", type=int, default=0, help="0-based first patched layer")
+    ap.add_argument("--apply", default="factored", help=f"{' | '.join(APPLY_MODES)}")
+    ap.add_argument("--h-source", default="actual", help=f"{' | '.join(H_SOURCES)}")
+    ap.add_argument("--mode", default="selfcorrect", help=f"{' | '.join(MODES)}")
+    ap.add_argument("--model", default=None, help="hub id or local folder (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--chat-template", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (e.g. 1 for steady timings on 2 cores)")
+    ap.add_argument("--json", dest="json_out", default=None, help="write the full record to this JSON file")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    return ap
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.dtype not in DTYPES:
+        return _fail(f"unknown dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if args.tokens < 1:
+        return _fail(f"--tokens must be at least 1, got {args.tokens}")
+    config = PatchConfig(variant=args.variant, start_layer=args.start_layer, h_source=args.h_source,
+                         apply=args.apply, mode=args.mode, patch_dtype=args.patch_dtype)
+    try:
+        config.validate(n_layers=10 ** 9)  # names first; the layer range is checked once the model is known
+        prompts = read_prompts(args.prompt_file) if args.prompt_file else [{"id": "prompt", "text": args.prompt}]
+        if not prompts or any(not str(p["text"]).strip() for p in prompts):
+            raise ValueError("the prompt is empty; pass some text via --prompt or --prompt-file")
+    except (ValueError, KeyError) as exc:
+        return _fail(str(exc).strip("'\""))
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    from .algorithm import Algorithm1
+    from .models import load_model
+    from .protocol import PromptError, run_protocol
+
+    try:
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, progress=not args.quiet)
+        Algorithm1(model, config)  # validates the architecture and the start layer against this model
+        runs = []
+        for p in prompts:
+            rec = run_protocol(model, tokenizer, p["text"], args.tokens, config, chat_template=args.chat_template,
+                               progress=not args.quiet, desc=p["id"])
+            rec["prompt_id"] = p["id"]
+            runs.append(rec)
+    except (ModelLoadError, UnsupportedArchitectureError, PromptError, ValueError) as exc:
+        return _fail(str(exc))
+    steps = [s for r in runs for s in r["steps"]]
+    pooled = aggregate(steps)
+    out = runs[0] if len(runs) == 1 else {
+        "n_tokens": pooled["n_tokens"], "token_match": pooled["token_match"],
+        "linf": [s["linf"] for s in steps], "tvd": [s["tvd"] for s in steps], "steps": steps,
+        "summary": pooled, "config": runs[0]["config"], "runs": runs,
+    }
+    out["config"] = {**out["config"], "chat_template": bool(args.chat_template), "command": sys.argv[:]}
+    print(f"model {out['config']['model']}  dtype {args.dtype}  variant {config.variant}  mode {config.mode}  "
+          f"apply {config.apply}  h_source {config.h_source}  start_layer {config.start_layer}")
+    print(f"{'prompt':<12}{'tokens':>7}  {'token match':<18}{'median Linf':>12}{'max Linf':>11}{'median TVD':>12}"
+          f"{'fallbacks':>10}{'hard':>6}")
+    for r in runs + ([{"prompt_id": "ALL", "summary": {**pooled, "fallbacks_total": sum(
+            x["summary"]["fallbacks_total"] for x in runs), "hard_cases_total": sum(
+            x["summary"]["hard_cases_total"] for x in runs)}}] if len(runs) > 1 else []):
+        s = r["summary"]
+        print(f"{r['prompt_id']:<12}{s['n_tokens']:>7}  {format_fraction(s['n_match'], s['n_tokens']):<18}"
+              f"{s['linf_median']:>12.3e}{s['linf_max']:>11.3e}{s['tvd_median']:>12.3e}"
+              f"{s['fallbacks_total']:>10}{s['hard_cases_total']:>6}")
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The paper's generation protocol (Section 4.1) and its per-step records.
+
+A greedy baseline runs with the full context (KV-cached: one decode step per token). At every step the patched
+model sees only the current token, with all layer patches recomputed against the baseline's targets for this
+history. Whether or not the two argmaxes agree, both continue on the *baseline's* token, so every step compares
+next-token distributions on the same history (token match is a per-step, conditional measure).
+"""
+from __future__ import annotations
+
+import math
+import platform
+
+import torch
+from tqdm.auto import tqdm
+
+from .algorithm import Algorithm1, PatchConfig
+from .metrics import aggregate, compare_logits
+from .models import dtype_name
+
+
+class PromptError(ValueError):
+    """The prompt is empty or cannot be tokenised into at least one token."""
+
+
+def encode_prompt(tokenizer, prompt: str, chat_template: bool = False) -> list[int]:
+    """Token ids of ``prompt``: as ``tokenizer(prompt)`` does (with BOS), or wrapped in the chat template first."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise PromptError("the prompt is empty; pass some text (the context to absorb) via --prompt or --prompt-file")
+    if chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise PromptError("this tokenizer has no chat template (the embedded Gemma 3 270M is a base model); "
+                              "drop --chat-template to tokenise the prompt as plain text")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    ids = [int(i) for i in ids]
+    if len(ids) < 2:
+        raise PromptError(f"the prompt {prompt!r} tokenises to {len(ids)} token(s); Algorithm 1 needs a context "
+                          f"before the query token, i.e. at least 2 tokens")
+    return ids
+
+
+def step_diagnostics(record) -> dict:
+    """Aggregate the per-layer patch diagnostics of one patched pass (plus per-layer lists for plots)."""
+    ds = [p.diagnostics for _, p in sorted(record.patches.items())]
+    if not ds:
+        return {"patched_layers": 0}
+    finite = lambda xs: [x for x in xs if not math.isnan(x)]  # noqa: E731
+    min_h = finite([d.min_abs_h for d in ds])
+    return {
+        "patched_layers": len(ds),
+        "min_abs_h": min(min_h) if min_h else float("nan"),
+        "fallbacks": sum(d.fallbacks for d in ds),
+        "hard_cases": sum(bool(d.hard_case) for d in ds),
+        "min_z_norm": min(finite([d.z_norm for d in ds]) or [float("nan")]),
+        "matrix_norm": math.sqrt(sum(d.matrix_norm ** 2 for d in ds)),
+        "dm_norm": math.sqrt(sum(d.dm_l2 ** 2 for d in ds)),
+        "dm_max_abs": max(d.dm_max_abs for d in ds),
+        "per_layer": {
+            "layer": [d.layer for d in ds],
+            "dv_norm": [d.dv_norm for d in ds],
+            "matrix_norm": [d.matrix_norm for d in ds],
+            "dm_l2": [d.dm_l2 for d in ds],
+            "dm_max_abs": [d.dm_max_abs for d in ds],
+            "min_abs_h": [d.min_abs_h for d in ds],
+            "fallbacks": [d.fallbacks for d in ds],
+            "hard_case": [bool(d.hard_case) for d in ds],
+        },
+    }
+
+
+def environment(model=None) -> dict:
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+           "torch_threads": torch.get_num_threads(),
+           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    try:
+        from . import __version__
+        env["ctxpatch_lite"] = __version__
+    except ImportError:  # pragma: no cover
+        pass
+    return env
+
+
+CASTS = ("patches are built in the patch dtype; the RMSNorm inversion (stable) runs in float64 and its target is "
+         "cast to the patch dtype; materialized: W+dW and w+dm are cast to the model dtype when stored; factored: "
+         "rank-1 actions are cast to the model dtype when added to Linear outputs, the patched post-norm is computed "
+         "in the norm dtype (float32; float64 for float64 models) and cast to the model dtype, as Gemma does; "
+         "metrics are computed in float64 from the logits")
+
+
+def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int = 20,
+                 config: PatchConfig | None = None, prompt_ids: list[int] | None = None, chat_template: bool = False,
+                 progress: bool = True, desc: str | None = None) -> dict:
+    """Run the paper's per-token protocol; return a JSON-ready record with per-step metrics and diagnostics."""
+    if prompt_ids is None:
+        if tokenizer is None:
+            raise PromptError("pass a tokenizer with a text prompt, or prompt_ids")
+        prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
+    prompt_ids = [int(i) for i in prompt_ids]
+    if len(prompt_ids) < 2:
+        raise PromptError("prompt_ids needs at least 2 tokens (a context and a query)")
+    if not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
+    alg = Algorithm1(model, config or PatchConfig())
+    alg.reset()
+    ids = list(prompt_ids)
+    steps = []
+    logits, targets, cache = alg.full_context(ids)
+    bar = tqdm(range(n_tokens), desc=desc or f"{alg.config.mode}/{alg.config.variant}", disable=not progress,
+               leave=False)
+    for step in bar:
+        position = len(ids) - 1
+        q_logits, record = alg.patched(ids[-1], position, targets)
+        rec = {"step": step, "position": position, "query_token": ids[-1]}
+        rec.update(compare_logits(logits, q_logits))
+        rec["diagnostics"] = step_diagnostics(record)
+        if tokenizer is not None:
+            rec["baseline_text"] = tokenizer.decode([rec["baseline_token"]])
+            rec["patched_text"] = tokenizer.decode([rec["patched_token"]])
+        steps.append(rec)
+        ids.append(rec["baseline_token"])  # both continue on the baseline's token
+        if step < n_tokens - 1:
+            logits, targets, cache = alg.full_context([rec["baseline_token"]], cache)
+    summary = aggregate(steps)
+    diag = [s["diagnostics"] for s in steps]
+    summary.update({
+        "fallbacks_total": sum(d.get("fallbacks", 0) for d in diag),
+        "hard_cases_total": sum(d.get("hard_cases", 0) for d in diag),
+        "min_abs_h": min((d["min_abs_h"] for d in diag if "min_abs_h" in d and not math.isnan(d["min_abs_h"])),
+                         default=float("nan")),
+    })
+    return {
+        "prompt": prompt,
+        "prompt_ids": prompt_ids,
+        "prompt_encoding": "chat_template" if chat_template else "plain (tokenizer(prompt), with BOS)",
+        "generated_ids": ids[len(prompt_ids):],
+        "generated_text": tokenizer.decode(ids[len(prompt_ids):]) if tokenizer is not None else None,
+        "n_tokens": len(steps),
+        "token_match": summary["token_match"],
+        "linf": [s["linf"] for s in steps],
+        "tvd": [s["tvd"] for s in steps],
+        "summary": summary,
+        "steps": steps,
+        "config": {
+            **alg.config.to_dict(),
+            "patch_dtype": alg.patch_dtype_name,
+            "model": getattr(model, "ctxpatch_source", type(model).__name__),
+            "model_class": type(model).__name__,
+            "dtype": dtype_name(alg.adapter.dtype),
+            "device": str(alg.device),
+            "n_layers": alg.adapter.n_layers,
+            "casts": CASTS,
+            "environment": environment(model),
+        },
+    }

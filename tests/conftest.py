@@ -1,0 +1,47 @@
+import os
+
+import pytest
+import torch
+
+# Steady timings on 2 cores (see shared PITFALLS): one torch thread for the test session.
+torch.set_num_threads(int(os.environ.get("CTXPATCH_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def tiny64():
+    from ctxpatch_lite.fixtures import tiny_gemma3
+    return tiny_gemma3(seed=0, dtype="float64")
+
+
+@pytest.fixture(scope="session")
+def tiny32():
+    from ctxpatch_lite.fixtures import tiny_gemma3
+    return tiny_gemma3(seed=0, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The real Gemma 3 270M (float32), from the user cache (converted on first use)."""
+    from ctxpatch_lite import load_model
+    return load_model(dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    import json
+    from pathlib import Path
+    return json.loads((Path(__file__).parent.parent / "data" / "prompts.json").read_text())["prompts"]
+
+
+CONTEXT_IDS = [2, 10, 20, 30, 40, 50, 11, 12, 13, 33]
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bit_identical(model, snap):
+    now = model.state_dict()
+    assert set(now) == set(snap)
+    for k, v in snap.items():
+        assert now[k].dtype == v.dtype and torch.equal(now[k], v), f"parameter {k} changed"

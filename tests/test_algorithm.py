@@ -1,0 +1,137 @@
+"""Algorithm 1 over all layers: exactness, controls that must fail, start layer, modes, bit-exact restore."""
+import pytest
+import torch
+
+from conftest import CONTEXT_IDS, assert_bit_identical, snapshot
+from ctxpatch_lite.algorithm import MODES, Algorithm1, PatchConfig
+from ctxpatch_lite.engine import UnsupportedArchitectureError
+from ctxpatch_lite.metrics import compare_logits
+from ctxpatch_lite.patches import PatchError
+from ctxpatch_lite.protocol import run_protocol
+
+
+def one_step(model, **cfg):
+    alg = Algorithm1(model, PatchConfig(**cfg))
+    logits, T, _ = alg.full_context(CONTEXT_IDS)
+    q, rec = alg.patched(CONTEXT_IDS[-1], len(CONTEXT_IDS) - 1, T)
+    return compare_logits(logits, q), rec
+
+
+@pytest.mark.parametrize("variant", ["naive", "stable"])
+@pytest.mark.parametrize("apply", ["factored", "materialized"])
+@pytest.mark.parametrize("h_source", ["actual", "recorded"])
+def test_algorithm1_exact_float64(tiny64, variant, apply, h_source):
+    m, rec = one_step(tiny64, variant=variant, apply=apply, h_source=h_source)
+    assert m["match"] and m["linf"] <= 1e-10, m
+    assert len(rec.patches) == 4
+
+
+@pytest.mark.parametrize("mode,exact", [("ideal", True), ("none", False), ("input-only", False), ("vanilla", False)])
+def test_controls_float64(tiny64, mode, exact):
+    m, _ = one_step(tiny64, mode=mode)
+    if exact:
+        assert m["linf"] <= 1e-10
+    else:
+        assert m["linf"] > 0.1, m  # the control must fail visibly: that shows the check can fail
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 3])
+def test_start_layer_exact_in_float64(tiny64, start):
+    m, rec = one_step(tiny64, start_layer=start)
+    assert sorted(rec.patches) == list(range(start, 4))
+    assert m["linf"] <= 1e-10
+    if start > 0:  # the first patched layer absorbs the accumulated context effect
+        assert rec.patches[start].diagnostics.dv_norm > 0
+
+
+def test_start_layer_out_of_range(tiny64):
+    with pytest.raises(ValueError, match=r"start_layer 4 is out of range: this model has 4 decoder layers"):
+        Algorithm1(tiny64, PatchConfig(start_layer=4))
+    with pytest.raises(ValueError, match="out of range"):
+        Algorithm1(tiny64, PatchConfig(start_layer=-1))
+
+
+@pytest.mark.parametrize("field,value", [("variant", "fancy"), ("mode", "oops"), ("apply", "dense"),
+                                         ("h_source", "guess"), ("patch_dtype", "float16")])
+def test_bad_config_names(tiny64, field, value):
+    with pytest.raises(ValueError, match=f"unknown {field}"):
+        Algorithm1(tiny64, PatchConfig(**{field: value}))
+
+
+def test_restore_bit_identical_after_every_mode(tiny32):
+    snap = snapshot(tiny32)
+    for mode in MODES:
+        for apply in ("factored", "materialized"):
+            for variant in ("naive", "stable"):
+                run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=3, progress=False,
+                             config=PatchConfig(mode=mode, apply=apply, variant=variant))
+                assert_bit_identical(tiny32, snap)
+
+
+def test_restore_after_error_mid_pass():
+    from ctxpatch_lite.fixtures import tiny_gemma3
+    model = tiny_gemma3(seed=2, dtype="float32")
+    with torch.no_grad():
+        model.model.layers[2].pre_feedforward_layernorm.weight.fill_(-1.0)  # z == 0 at layer 2
+    snap = snapshot(model)
+    alg = Algorithm1(model, PatchConfig(apply="materialized"))
+    _, T, _ = alg.full_context(CONTEXT_IDS)
+    with pytest.raises(PatchError):
+        alg.patched(CONTEXT_IDS[-1], len(CONTEXT_IDS) - 1, T)  # layers 0, 1 were already written
+    assert_bit_identical(model, snap)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_fixed_mode_reuses_first_patches(tiny32):
+    out = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=4, progress=False, config=PatchConfig(mode="fixed"))
+    sel = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=4, progress=False)
+    assert out["steps"][0]["linf"] == pytest.approx(sel["steps"][0]["linf"], abs=1e-5)
+    # later steps reuse stale patches: the same dm at every step, and the distributions drift
+    dms = [s["diagnostics"]["dm_norm"] for s in out["steps"]]
+    assert len(set(dms)) == 1
+    assert max(s["linf"] for s in out["steps"][1:]) > 100 * max(s["linf"] for s in sel["steps"][1:])
+
+
+def test_protocol_records(tiny32):
+    r = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=5, progress=False)
+    assert r["n_tokens"] == 5 and len(r["steps"]) == 5 and len(r["linf"]) == 5
+    for i, s in enumerate(r["steps"]):
+        assert s["position"] == len(CONTEXT_IDS) - 1 + i
+        for key in ("baseline_token", "patched_token", "match", "linf", "tvd", "rank_corr", "top1_diff"):
+            assert key in s
+        assert s["diagnostics"]["patched_layers"] == 4
+    assert r["generated_ids"] == [s["baseline_token"] for s in r["steps"]]  # forced onto the baseline's tokens
+    assert r["summary"]["n_tokens"] == 5 and r["config"]["environment"]["torch"]
+
+
+def test_baseline_matches_plain_greedy_generation(tiny32):
+    r = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=6, progress=False)
+    ids = torch.tensor([CONTEXT_IDS])
+    gen = tiny32.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                          pad_token_id=0)
+    assert r["generated_ids"] == gen[0, len(CONTEXT_IDS):].tolist()
+
+
+def test_unsupported_architecture_names_missing_property():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(UnsupportedArchitectureError, match="post_feedforward_layernorm"):
+        Algorithm1(LlamaForCausalLM(cfg))
+
+
+@pytest.mark.real
+def test_embedded_float32_all_prompts(embedded, prompts):
+    model, tok = embedded
+    snap = snapshot(model)
+    linfs, n_match, n = [], 0, 0
+    for p in prompts:
+        r = run_protocol(model, tok, p["text"], 20, PatchConfig(), progress=False)
+        n_match += r["summary"]["n_match"]
+        n += r["n_tokens"]
+        linfs += r["linf"]
+    assert n == 100 and n_match == 100
+    assert sorted(linfs)[len(linfs) // 2] <= 1e-4
+    neg = run_protocol(model, tok, prompts[0]["text"], 20, PatchConfig(mode="none"), progress=False)
+    assert neg["summary"]["token_match"] <= 0.2 and min(neg["linf"]) > 1.0
+    assert_bit_identical(model, snap)
