@@ -233,6 +233,11 @@ def load_model(name: str | None = None, dtype="float32", device="auto", device_m
         device_map = "auto"
     if device_map is not None:
         kwargs["device_map"] = device_map
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -247,6 +252,9 @@ def load_model(name: str | None = None, dtype="float32", device="auto", device_m
                 f"pass that folder). Without a hub, use load_model() for the embedded Gemma 3 270M."
             ) from None
         raise ModelLoadError(f"could not load the model folder {source}: {exc}") from None
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
     if device_map is None:
         model.to(dev)
     model.eval()

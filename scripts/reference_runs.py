@@ -1,0 +1,92 @@
+"""Regenerate data/reference/: the engine's regression grid on the embedded model (5 prompts x N tokens).
+
+    .venv/bin/python scripts/reference_runs.py [--tokens 20] [--out data/reference] [--threads 1]
+
+One JSON per configuration (the same record as `python -m ctxpatch_lite.compare --json`, per-layer diagnostics
+dropped to keep files small) plus summary.json / summary.md with token counts. These are findings, not targets.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ctxpatch_lite import load_model
+from ctxpatch_lite.algorithm import PatchConfig
+from ctxpatch_lite.metrics import aggregate, format_fraction
+from ctxpatch_lite.protocol import run_protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def grid():
+    for dtype, variant, apply, h_source in itertools.product(("float32", "bfloat16"), ("naive", "stable"),
+                                                              ("materialized", "factored"), ("actual", "recorded")):
+        yield dtype, PatchConfig(variant=variant, apply=apply, h_source=h_source)
+    for dtype in ("float32", "bfloat16"):
+        for mode in ("ideal", "fixed", "none", "input-only", "vanilla"):
+            yield dtype, PatchConfig(mode=mode)
+
+
+def name_of(dtype, c: PatchConfig) -> str:
+    if c.mode != "selfcorrect":
+        return f"{dtype}-{c.mode}"
+    return f"{dtype}-{c.variant}-{c.apply}-{c.h_source}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=20)
+    ap.add_argument("--out", default=str(ROOT / "data" / "reference"))
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts = json.loads((ROOT / "data" / "prompts.json").read_text())["prompts"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, models = [], {}
+    for dtype, cfg in grid():
+        if dtype not in models:
+            models.clear()
+            models[dtype] = load_model(dtype=dtype, device="cpu", progress=False)
+        model, tok = models[dtype]
+        t0 = time.time()
+        runs = []
+        for p in prompts:
+            r = run_protocol(model, tok, p["text"], args.tokens, cfg, progress=False)
+            r["prompt_id"] = p["id"]
+            for s in r["steps"]:
+                s["diagnostics"].pop("per_layer", None)
+            runs.append(r)
+        steps = [s for r in runs for s in r["steps"]]
+        pooled = aggregate(steps)
+        pooled["fallbacks_total"] = sum(r["summary"]["fallbacks_total"] for r in runs)
+        pooled["hard_cases_total"] = sum(r["summary"]["hard_cases_total"] for r in runs)
+        name = name_of(dtype, cfg)
+        rec = {"name": name, "n_tokens": pooled["n_tokens"], "token_match": pooled["token_match"],
+               "linf": [s["linf"] for s in steps], "tvd": [s["tvd"] for s in steps], "summary": pooled,
+               "per_prompt": {r["prompt_id"]: r["summary"] for r in runs}, "config": runs[0]["config"],
+               "runs": runs, "seconds": round(time.time() - t0, 1)}
+        (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
+        rows.append({"name": name, "dtype": dtype, **cfg.to_dict(), **pooled, "seconds": rec["seconds"]})
+        print(f"{name:<40} {format_fraction(pooled['n_match'], pooled['n_tokens']):<18} "
+              f"Linf med {pooled['linf_median']:.2e} max {pooled['linf_max']:.2e}  TVD med {pooled['tvd_median']:.2e} "
+              f"max {pooled['tvd_max']:.2e}  fallbacks {pooled['fallbacks_total']}  hard {pooled['hard_cases_total']}  "
+              f"({rec['seconds']} s)", flush=True)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    lines = ["| configuration | token match (count) | median L∞ | max L∞ | median TVD | max TVD | fallbacks | hard cases |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {format_fraction(r['n_match'], r['n_tokens'])} | {r['linf_median']:.2e} | "
+                     f"{r['linf_max']:.2e} | {r['tvd_median']:.2e} | {r['tvd_max']:.2e} | {r['fallbacks_total']} | "
+                     f"{r['hard_cases_total']} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

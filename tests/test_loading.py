@@ -1,0 +1,136 @@
+"""load_model: dtype/device resolution, local folders, hub ids offline, the embedded model and its cache."""
+import json
+import time
+
+import pytest
+import torch
+
+import ctxpatch_lite.models as models
+from ctxpatch_lite import ModelLoadError, load_model, resolve_dtype
+from ctxpatch_lite.fixtures import tiny_gemma3, tiny_tokenizer
+
+
+def test_bad_dtype_lists_choices():
+    with pytest.raises(ValueError, match="unsupported dtype 'float16'; choose one of: float32, bfloat16, float64"):
+        load_model(dtype="float16")
+    assert resolve_dtype("bfloat16") is torch.bfloat16 and resolve_dtype(torch.float64) is torch.float64
+
+
+def test_bad_device():
+    with pytest.raises(ValueError, match="device"):
+        models.resolve_device("tpu:9")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            models.resolve_device("cuda")
+        assert models.resolve_device("auto").type == "cpu"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_model")
+    model = tiny_gemma3(seed=3)
+    model.save_pretrained(folder, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_local_folder(tiny_folder, dtype):
+    folder, ref = tiny_folder
+    model, tok = load_model(str(folder), dtype=dtype, device="cpu")
+    assert next(model.parameters()).dtype == resolve_dtype(dtype) and not model.training
+    ids = torch.tensor([tok("hello")["input_ids"]])
+    ref_logits = ref(ids).logits.double()
+    got = model(ids).logits.double()
+    tol = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 0.5}[dtype]
+    assert (got - ref_logits).abs().max() <= tol
+
+
+def test_local_folder_errors(tmp_path, tiny_folder):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+    folder, model = tiny_folder
+    bin_folder = tmp_path / "bin"
+    model.save_pretrained(bin_folder, safe_serialization=False)
+    if not any(bin_folder.glob("*.safetensors")):
+        with pytest.raises(ModelLoadError, match="safetensors only"):
+            load_model(str(bin_folder))
+
+
+def test_missing_hub_id_offline(monkeypatch):
+    import huggingface_hub.constants as hc
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True, raising=False)
+    t = time.time()
+    with pytest.raises(ModelLoadError, match=r"could not load 'ctxpatch-lite-tests/no-such-model'.*hf download"):
+        load_model("ctxpatch-lite-tests/no-such-model")
+    assert time.time() - t < 60
+
+
+def _fake_cache(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_gemma3(seed=4).save_pretrained(folder, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(folder)
+    models._write_manifest(folder, "deadbeef")
+
+
+def test_cache_check_detects_partial_and_corrupt(tmp_path):
+    folder = tmp_path / "c"
+    _fake_cache(folder)
+    assert models.check_cache(folder) is None and models.check_cache(folder, full=True) is None
+    st = folder / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    st.write_bytes(bytes(data))
+    assert "differs" in models.check_cache(folder)
+    st.write_bytes(bytes(data[:-100]))
+    assert "size" in models.check_cache(folder)
+    (folder / models._MANIFEST).unlink()
+    assert "no manifest" in models.check_cache(folder)
+
+
+def test_ensure_embedded_rebuilds_bad_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTXPATCH_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_convert(target, progress=True):
+        calls.append(target)
+        _fake_cache(target)
+
+    monkeypatch.setattr(models, "_convert_embedded", fake_convert)
+    folder = models.ensure_embedded(progress=False)
+    assert calls == [folder] and folder.parent == tmp_path
+    models.ensure_embedded(progress=False)
+    assert len(calls) == 1  # warm: no conversion
+    (folder / "config.json").write_text("{}")  # damaged
+    models.ensure_embedded(progress=False)
+    assert len(calls) == 2
+    manifest = json.loads((folder / models._MANIFEST).read_text())
+    assert "transformers" in manifest and folder.name.endswith(manifest["transformers"])
+
+
+@pytest.mark.real
+def test_embedded_warm_from_cache(embedded, monkeypatch):
+    model, tok = embedded  # fills the cache if this machine never converted it
+    monkeypatch.setattr(models, "_convert_embedded", lambda *a, **k: pytest.fail("warm load must not convert"))
+    m2, t2 = load_model(device="cpu", progress=False)
+    assert type(m2).__name__ == "Gemma3ForCausalLM" and m2.config.num_hidden_layers == 18
+    assert m2.config.hidden_size == 640 and m2.config.intermediate_size == 2048
+    ids = tok("The weather on Mars is", return_tensors="pt")
+    assert ids["input_ids"][0, 0].item() == tok.bos_token_id
+    out = m2.generate(**ids, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 3
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_embedded_cold_conversion(tmp_path, monkeypatch):
+    """The real cold path: dequantise the shipped GGUF into an empty cache, then load from it."""
+    monkeypatch.setenv("CTXPATCH_CACHE", str(tmp_path))
+    model, tok = load_model(device="cpu", dtype="bfloat16", progress=False)
+    folder = models.embedded_cache_dir()
+    assert folder.parent == tmp_path and models.check_cache(folder, full=True) is None
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert not list(tmp_path.glob(".*tmp*"))  # no partial build left behind

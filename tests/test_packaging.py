@@ -1,0 +1,39 @@
+"""environment.yml (conda/Binder) and pyproject.toml must name the same packages (conda cannot run here)."""
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).parent.parent
+CONDA_NAMES = {"pytorch": "torch"}
+
+
+def _name(spec: str) -> str:
+    return re.split(r"[<>=!~ \[]", spec.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_environment_matches_pyproject():
+    py = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_name(s) for s in py["dependencies"] + py["optional-dependencies"]["test"]}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    got = set()
+    for dep in env["dependencies"]:
+        if isinstance(dep, dict):
+            got |= {_name(s) for s in dep["pip"] if not s.startswith("-e")}
+        elif _name(dep) not in ("python", "pip"):
+            got.add(CONDA_NAMES.get(_name(dep), _name(dep)))
+    assert got == wanted, f"only in environment.yml: {got - wanted}; only in pyproject.toml: {wanted - got}"
+
+
+def test_lower_bounds_agree():
+    py = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    bounds = {_name(s): s.split(">=")[1] for s in py["dependencies"] if ">=" in s}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    flat = [d for d in env["dependencies"] if isinstance(d, str)] + [s for d in env["dependencies"]
+                                                                      if isinstance(d, dict) for s in d["pip"]]
+    for spec in flat:
+        if ">=" in spec:
+            name = CONDA_NAMES.get(_name(spec), _name(spec))
+            if name in bounds:
+                assert spec.split(">=")[1] == bounds[name], spec
