@@ -41,8 +41,13 @@ def _rel(a, b):
 
 
 @torch.no_grad()
-def single_block_patch(model, input_ids, layer: int, apply: str = "factored") -> SingleBlockResult:
-    """Theorem 1 at ``layer`` for the last token of ``input_ids`` (its context: the tokens before it)."""
+def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
+                       parts=("input", "output")) -> SingleBlockResult:
+    """Theorem 1 at ``layer`` for the last token of ``input_ids`` (its context: the tokens before it).
+
+    ``parts=("input", "vanilla")`` builds the predecessor's vanilla-block recipe instead (dv added before the
+    post-norm); then ``dm`` is None and ``rel_error`` shows how far it misses.
+    """
     ad = GemmaAdapter(model)
     if not 0 <= layer < ad.n_layers:
         raise ValueError(f"layer {layer} out of range 0..{ad.n_layers - 1}")
@@ -74,7 +79,7 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored") ->
         return record, captured
 
     rec0, cap0 = run(())
-    rec1, cap1 = run(("input", "output"))
+    rec1, cap1 = run(tuple(parts))
     p = rec1.patches[layer]
     sv = {}
     for name, r1 in (("gate", p.gate), ("up", p.up)):
@@ -86,3 +91,23 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored") ->
         rel_error=_rel(out_p, out_t), unpatched_rel_error=_rel(out_u, out_t), singular_values=sv,
         fallbacks=p.diagnostics.fallbacks, min_abs_h=p.diagnostics.min_abs_h)
 
+
+
+@torch.no_grad()
+def normalized_mlp_outputs(model, input_ids) -> torch.Tensor:
+    """|h| = |N(W_down h_g)| for every layer and every position of a full-context forward: (L, T, d), float64.
+
+    In exact arithmetic these are the values the scale patch divides by (the patched layer reproduces them).
+    """
+    ad = GemmaAdapter(model)
+    got = []
+    hooks = [P.post_ff.register_forward_pre_hook(lambda m, a: got.append(ad.normalize(a[0][0]).abs().double()))
+             for P in ad.parts]
+    try:
+        ids = torch.as_tensor(input_ids, device=next(model.parameters()).device).reshape(1, -1)
+        with float64_norms(model):
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(got)

@@ -1,0 +1,224 @@
+"""One function per figure; each takes plain records (dicts/lists/tensors) and returns a matplotlib Figure."""
+from __future__ import annotations
+
+import math
+
+import matplotlib
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+PALETTE = {"bfloat16-naive": "#1f77b4", "bfloat16-stable": "#ff7f0e", "float32-naive": "#2ca02c",
+           "float32-stable": "#d62728", "float64-naive": "#9467bd", "float64-stable": "#8c564b"}
+
+
+def style():
+    import seaborn as sns
+    sns.set_theme(style="whitegrid", context="notebook", font_scale=0.95)
+    plt.rcParams.update({"figure.dpi": 100, "savefig.dpi": 110, "axes.titleweight": "bold"})
+
+
+def _color(label: str, i: int):
+    for key, c in PALETTE.items():
+        if label.startswith(key):
+            return c
+    return plt.rcParams["axes.prop_cycle"].by_key()["color"][i % 10]
+
+
+def _positive(xs, floor=1e-12):
+    return [max(float(x), floor) for x in xs]
+
+
+def block_diagram():
+    """Figure 1 style: a Gemma 3 block, with the sites the patches act on highlighted."""
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    ax.set_xlim(0, 12.4)
+    ax.set_ylim(0, 6)
+    ax.axis("off")
+    w, hgt = 1.25, 0.95
+    boxes = {
+        "x": (0.1, 2.6, "x", "#eeeeee"), "in": (1.6, 2.6, "input\nnorm", "#dde8f5"),
+        "attn": (3.1, 2.6, "attention\n(GQA, RoPE,\nq/k norms)", "#dde8f5"), "pa": (4.6, 2.6, "post-attn\nnorm", "#dde8f5"),
+        "pf": (6.2, 4.4, "pre-FF norm\n→ z", "#dde8f5"), "gu": (7.8, 4.4, "W_gate, W_up\n+ rank-1 ΔW", "#ffd8a8"),
+        "down": (9.4, 4.4, "W_down\n+ ΔW_down\n(stable only)", "#ffe8cc"),
+        "post": (9.4, 2.6, "post-FF norm\nscale m + Δm", "#ffd8a8"), "out": (11.0, 2.6, "out", "#eeeeee"),
+    }
+    for x, y, text, color in boxes.values():
+        ax.add_patch(matplotlib.patches.FancyBboxPatch((x, y), w, hgt, boxstyle="round,pad=0.05", fc=color,
+                                                       ec="#555555", lw=1))
+        ax.text(x + w / 2, y + hgt / 2, text, ha="center", va="center", fontsize=8)
+
+    def right(k):
+        x, y, *_ = boxes[k]
+        return (x + w, y + hgt / 2)
+
+    def left(k):
+        x, y, *_ = boxes[k]
+        return (x, y + hgt / 2)
+
+    for a, b in [("x", "in"), ("in", "attn"), ("attn", "pa"), ("pa", "pf"), ("pf", "gu"), ("gu", "down"), ("post", "out")]:
+        ax.annotate("", xy=left(b), xytext=right(a), arrowprops=dict(arrowstyle="->", color="#333333"))
+    ax.annotate("", xy=(10.0, 3.6), xytext=(10.0, 4.4), arrowprops=dict(arrowstyle="->", color="#333333"))
+    ax.annotate("", xy=(5.9, 2.75), xytext=(0.7, 2.6), arrowprops=dict(arrowstyle="->", color="#888888",
+                                                                       connectionstyle="arc3,rad=0.3"))
+    ax.text(2.2, 1.35, "residual: v = x + post_attn_norm(attn)", fontsize=8, color="#555555")
+    ax.annotate("", xy=(11.0, 2.75), xytext=(5.95, 2.75), arrowprops=dict(arrowstyle="->", color="#888888",
+                                                                          connectionstyle="arc3,rad=0.3"))
+    ax.text(7.2, 1.35, "residual: out = v + m ⊙ N(W_down h_g)", fontsize=8, color="#555555")
+    ax.text(0.1, 5.65, "Gemma 3 decoder block: orange = where Theorem 1 patches act", fontsize=11, weight="bold")
+    ax.text(0.1, 0.35, "The context enters only through attention (it changes v).\nRank-1 ΔW_gate, ΔW_up make the MLP "
+                       "respond as if it saw z_C; Δm adds v_C − v at the output.", fontsize=8.5)
+    return fig
+
+
+def per_token(runs: dict, title: str = ""):
+    """Figure 3 style: per generated token, L∞ logit distance and TVD for each labelled run; x = mismatch."""
+    fig, axes = plt.subplots(2, 1, figsize=(8, 5.2), sharex=True)
+    for i, (label, run) in enumerate(runs.items()):
+        steps = run["steps"]
+        xs = [s["step"] for s in steps]
+        color = _color(label, i)
+        for ax, key in zip(axes, ("linf", "tvd")):
+            ys = _positive([s[key] for s in steps])
+            ax.plot(xs, ys, "-o", ms=3, lw=1.3, color=color, label=label)
+            bad = [(x, y) for x, y, s in zip(xs, ys, steps) if not s["match"]]
+            if bad:
+                ax.plot(*zip(*bad), "x", color="red", ms=9, mew=2)
+    axes[0].set_ylabel("L∞ logit distance")
+    axes[1].set_ylabel("TVD")
+    axes[1].set_xlabel("generated token (step)")
+    for ax in axes:
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=8, ncol=2, loc="best")
+    axes[0].set_title(title or "Patched (no context) vs baseline (full context); red × = token mismatch")
+    fig.tight_layout()
+    return fig
+
+
+def summary(rows: list[dict], title: str = "Summary over prompts"):
+    """Figure 4 style: left TVD per step (log scale) per configuration; right token match with counts."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [1.6, 1]})
+    labels = [r["label"] for r in rows]
+    data = [np.log10(_positive(r["tvd"], 1e-16)) for r in rows]
+    a1.boxplot(data, vert=True, showfliers=True)
+    a1.set_xticks(range(1, len(labels) + 1), labels, rotation=20, fontsize=8)
+    a1.set_ylabel("log10 TVD per token")
+    a1.set_title("TVD (log scale; lower is better)")
+    pct = [100.0 * r["n_match"] / r["n_tokens"] for r in rows]
+    bars = a2.bar(range(len(rows)), pct, color=[_color(l, i) for i, l in enumerate(labels)])
+    for b, r in zip(bars, rows):
+        a2.text(b.get_x() + b.get_width() / 2, b.get_height() + 1, f"{r['n_match']}/{r['n_tokens']}", ha="center",
+                fontsize=8)
+    a2.set_xticks(range(len(rows)), labels, rotation=20, fontsize=8)
+    a2.set_ylim(0, 110)
+    a2.set_ylabel("token match (%)")
+    a2.set_title("token match (higher is better)")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def singular_values(svals: dict):
+    """Leading singular values of the dense patches: rank 1 means one nonzero value."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for i, (name, s) in enumerate(svals.items()):
+        ax.semilogy(range(1, len(s) + 1), _positive(s, 1e-20), "o-", label=name)
+    ax.set_xlabel("index")
+    ax.set_ylabel("singular value")
+    ax.set_title("Singular values of ΔW (rank 1: one value, the rest at rounding level)")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def h_histogram(abs_h, n_zero: int, title: str = ""):
+    """Histogram of |h_i| (log10) over layers and tokens; the count of exact zeros (fallbacks) in the title."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    vals = np.asarray(abs_h, dtype=np.float64)
+    pos = vals[vals > 0]
+    ax.hist(np.log10(pos), bins=80, color="#4c72b0")
+    ax.set_xlabel("log10 |h_i|   (h = N(W_down h_g), what Δm divides by)")
+    ax.set_ylabel("count")
+    ax.set_title(title or f"{vals.size:,} values; exact zeros (divide-by-1 fallbacks): {n_zero}; "
+                          f"min |h| = {pos.min():.2e}")
+    fig.tight_layout()
+    return fig
+
+
+def secular_function(g, m, mu_root: float, hard_case: bool = False):
+    """F(mu) of the App. B inversion on (-inf, min m^2), with its root."""
+    import torch
+
+    from .stable import F
+    m2min = float((torch.as_tensor(m, dtype=torch.float64) ** 2).min())
+    span = max(1.0, abs(m2min - mu_root) * 4)
+    mus = np.concatenate([np.linspace(m2min - span, m2min - span / 50, 300),
+                          m2min - np.logspace(math.log10(span / 50), -8, 300)])
+    Fs = F(torch.tensor(mus), torch.as_tensor(g), torch.as_tensor(m)).numpy()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    ax.plot(mus, np.arcsinh(Fs), lw=1.5)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axvline(m2min, color="grey", ls="--", lw=1, label="min m²")
+    ax.plot([mu_root], [0], "o", color="red", label=f"μ* = {mu_root:.6g}" + (" (hard case)" if hard_case else ""))
+    ax.set_xlabel("μ")
+    ax.set_ylabel("asinh F(μ)")
+    ax.set_title("Secular function of the RMSNorm inversion (monotone on (−∞, min m²))")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def distributions(values: dict, xlabel: str, title: str):
+    """Overlaid histograms of log10 |x| for several labelled arrays (e.g. Δm per variant)."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for i, (label, v) in enumerate(values.items()):
+        v = np.abs(np.asarray(v, dtype=np.float64))
+        v = v[v > 0]
+        ax.hist(np.log10(v), bins=60, alpha=0.55, label=label, color=_color(label, i))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("count")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def update_norms(rows: list[dict], title: str = "Update norms per variant (median over tokens)"):
+    """Bar chart: matrix-patch norm vs vector (Δm) norm per configuration, log scale."""
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, _positive([r["matrix_norm"] for r in rows]), 0.4, label="matrix patches (Frobenius)")
+    ax.bar(x + 0.2, _positive([r["dm_norm"] for r in rows]), 0.4, label="vector patch Δm (L2)")
+    ax.set_xticks(x, [r["label"] for r in rows], rotation=20, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("norm")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def start_layer_sweep(rows: list[dict]):
+    """Token match, median L∞ and update norms against the start layer (one line per label)."""
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    labels = sorted({r["label"] for r in rows})
+    for i, label in enumerate(labels):
+        rs = sorted((r for r in rows if r["label"] == label), key=lambda r: r["start_layer"])
+        xs = [r["start_layer"] for r in rs]
+        c = _color(label, i)
+        axes[0].plot(xs, [100 * r["n_match"] / r["n_tokens"] for r in rs], "o-", color=c, label=label)
+        axes[1].semilogy(xs, _positive([r["linf_median"] for r in rs]), "o-", color=c, label=label)
+        axes[2].semilogy(xs, _positive([r["dm_norm"] for r in rs]), "o-", color=c, label=f"{label}: Δm")
+        axes[2].semilogy(xs, _positive([r["matrix_norm"] for r in rs]), "s--", color=c, alpha=0.6,
+                         label=f"{label}: matrices")
+    axes[0].set_ylabel("token match (%)")
+    axes[0].set_ylim(-5, 105)
+    axes[1].set_ylabel("median L∞ logit distance")
+    axes[2].set_ylabel("median update norm")
+    for ax in axes:
+        ax.set_xlabel("start layer (0-based; last = last layer only)")
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=6)
+    fig.suptitle("Start-layer sweep: layers below the start run on the query alone, unpatched", fontsize=11)
+    fig.tight_layout()
+    return fig

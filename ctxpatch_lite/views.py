@@ -1,0 +1,134 @@
+"""Pure render functions behind the notebooks' widgets, and the widget panel that drives them.
+
+``Algorithm1View.render(**params)`` runs Algorithm 1 under the paper's protocol for the given settings and returns
+the run record, a Figure-3-style figure and a text table. Headless (papermill, nbval) the notebook calls it once
+with its parameters; in JupyterLab ``Algorithm1View.app()`` adds controls that call the same function on change.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .algorithm import PatchConfig
+from .metrics import format_fraction
+from .models import load_model
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+GEMMA_1B = "google/gemma-3-1b-it"
+
+
+def load_prompts(path: Path | None = None) -> list[dict]:
+    return json.loads(Path(path or DATA / "prompts.json").read_text())["prompts"]
+
+
+def available_models() -> dict:
+    """Label -> model name. Gemma-3-1B is offered only with a GPU and the weights already in the local HF cache."""
+    import torch
+
+    models = {"Gemma 3 270M (embedded, CPU)": None}
+    if torch.cuda.is_available():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+            if isinstance(try_to_load_from_cache(GEMMA_1B, "config.json"), str):
+                models["Gemma-3-1B-it (GPU)"] = GEMMA_1B
+        except ImportError:  # pragma: no cover
+            pass
+    return models
+
+
+def run_table(run: dict) -> str:
+    """A short per-step table and the aggregate with its token count."""
+    lines = [f"{'step':>4} {'baseline':>14} {'patched':>14} {'match':>5} {'L_inf':>10} {'TVD':>10} {'min|h|':>9}"]
+    for s in run["steps"]:
+        d = s["diagnostics"]
+        lines.append(f"{s['step']:>4} {s.get('baseline_text', s['baseline_token'])!r:>14.14} "
+                     f"{s.get('patched_text', s['patched_token'])!r:>14.14} {'yes' if s['match'] else 'NO':>5} "
+                     f"{s['linf']:>10.2e} {s['tvd']:>10.2e} {d.get('min_abs_h', float('nan')):>9.1e}")
+    sm = run["summary"]
+    lines.append(f"token match {format_fraction(sm['n_match'], sm['n_tokens'])}; median L_inf {sm['linf_median']:.2e}"
+                 f" (max {sm['linf_max']:.2e}); median TVD {sm['tvd_median']:.2e}; fallbacks "
+                 f"{sm['fallbacks_total']}; App. B hard cases {sm['hard_cases_total']}")
+    return "\n".join(lines)
+
+
+class Algorithm1View:
+    """Caches loaded models (at most two dtypes at a time) and renders runs for the notebooks."""
+
+    def __init__(self, progress: bool = True):
+        self._models = {}
+        self.progress = progress
+
+    def model(self, name, dtype):
+        key = (name, dtype)
+        if key not in self._models:
+            while len(self._models) >= 2:
+                self._models.pop(next(iter(self._models)))
+            self._models[key] = load_model(name, dtype=dtype, progress=False)
+        return self._models[key]
+
+    def run(self, prompt: str, model_name=None, dtype="float32", tokens=20, variant="naive", start_layer=0,
+            apply="factored", h_source="actual", mode="selfcorrect"):
+        from .protocol import run_protocol
+
+        model, tok = self.model(model_name, dtype)
+        cfg = PatchConfig(variant=variant, start_layer=int(start_layer), apply=apply, h_source=h_source, mode=mode)
+        return run_protocol(model, tok, prompt, int(tokens), cfg, progress=self.progress,
+                            desc=f"{dtype}/{variant}/start {start_layer}")
+
+    def render(self, prompt: str, model_name=None, dtype="float32", tokens=20, variant="naive", start_layer=0,
+               apply="factored", h_source="actual", mode="selfcorrect"):
+        from . import plots
+
+        run = self.run(prompt, model_name, dtype, tokens, variant, start_layer, apply, h_source, mode)
+        label = f"{dtype}-{variant}" + (f" (start layer {start_layer})" if start_layer else "")
+        fig = plots.per_token({label: run}, title=f"{label}: patched (query alone) vs baseline (full context)")
+        return {"run": run, "figure": fig, "table": run_table(run)}
+
+    def app(self, initial: dict, n_layers: int, prompts: list[dict]):
+        """ipywidgets controls: precision, start layer, variant, prompt (or free text), model. Returns a VBox."""
+        import ipywidgets as W
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        prompt_options = [(p["id"], p["text"]) for p in prompts] + [("free text ↓", "__free__")]
+        initial_prompt = initial["prompt"] if any(p["text"] == initial["prompt"] for p in prompts) else "__free__"
+        models = available_models()
+        c = {
+            "dtype": W.Dropdown(options=["float32", "bfloat16", "float64"], value=initial["dtype"],
+                                description="precision"),
+            "start_layer": W.IntSlider(value=initial["start_layer"], min=0, max=n_layers - 1,
+                                       description="start layer", continuous_update=False),
+            "variant": W.ToggleButtons(options=["naive", "stable"], value=initial["variant"], description="variant"),
+            "prompt": W.Dropdown(options=prompt_options, value=initial_prompt, description="prompt"),
+            "free_text": W.Text(value=initial["prompt"], description="free text", continuous_update=False,
+                                layout=W.Layout(width="90%")),
+            "model": W.Dropdown(options=list(models.items()), value=initial.get("model_name"), description="model"),
+        }
+        out = W.Output()
+        status = W.HTML(value="<i>change a control to rerun Algorithm 1 and redraw</i>")
+
+        def rerun(_=None):
+            prompt = c["free_text"].value if c["prompt"].value == "__free__" else c["prompt"].value
+            status.value = "<b>running…</b>"
+            with out:
+                out.clear_output(wait=True)
+                try:
+                    res = self.render(prompt, model_name=c["model"].value, dtype=c["dtype"].value,
+                                      tokens=initial["tokens"], variant=c["variant"].value,
+                                      start_layer=c["start_layer"].value)
+                except ValueError as exc:  # e.g. an empty free-text prompt: say so in the panel
+                    print(f"cannot run: {exc}")
+                    status.value = "<b>error</b>"
+                    return
+                display(res["figure"])
+                plt.close(res["figure"])
+                print(res["table"])
+            status.value = (f"<b>done</b>: {c['dtype'].value}, {c['variant'].value}, start layer "
+                            f"{c['start_layer'].value}")
+
+        for w in c.values():
+            w.observe(rerun, names="value")
+        box = W.VBox([W.HBox([c["dtype"], c["variant"]]), c["start_layer"], W.HBox([c["prompt"], c["model"]]),
+                      c["free_text"], status, out])
+        box.controls, box.output, box.rerun = c, out, rerun
+        return box
