@@ -65,17 +65,17 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
         spec = LayerSpec(targets=T, parts=frozenset(parts), ideal_input=T.x_in)
         hooks = PatchHooks(ad, {layer: spec}, apply=apply)
         captured = {}
-        h0 = ad.parts[layer].pre_ff.register_forward_pre_hook(lambda m, a: captured.__setitem__("v", a[0][0, -1].clone()))
-        h1 = ad.parts[layer].pre_ff.register_forward_hook(lambda m, a, o: captured.__setitem__("z", o[0, -1].clone()))
-        h2 = ad.parts[layer].post_ff.register_forward_pre_hook(
-            lambda m, a: captured.__setitem__("h", ad.normalize(a[0][0, -1]).clone()))
-        try:
-            with float64_norms(model), hooks as record:
+        with float64_norms(model), hooks as record:  # capture hooks go last, so they see the float64 norm outputs
+            P = ad.parts[layer]
+            extra = [P.pre_ff.register_forward_pre_hook(lambda m, a: captured.__setitem__("v", a[0][0, -1].clone())),
+                     P.pre_ff.register_forward_hook(lambda m, a, o: captured.__setitem__("z", o[0, -1].clone())),
+                     P.post_ff.register_forward_pre_hook(
+                         lambda m, a: captured.__setitem__("h", ad.normalize(a[0][0, -1]).clone()))]
+            try:
                 model(input_ids=q, position_ids=pos, use_cache=False, logits_to_keep=1)
-        finally:
-            h0.remove()
-            h1.remove()
-            h2.remove()
+            finally:
+                for h in extra:
+                    h.remove()
         return record, captured
 
     rec0, cap0 = run(())

@@ -14,6 +14,8 @@ def test_theorem1_every_layer_float64(tiny64, layer):
     res = single_block_patch(tiny64, CONTEXT_IDS, layer)
     assert res.rel_error <= 1e-12, res.rel_error
     assert res.unpatched_rel_error > 1e-3  # the context really changes this layer's output
+    W = tiny64.model.layers[layer].mlp.gate_proj.weight
+    assert ((W + res.dW_gate) @ res.z - W @ res.z_C).abs().max() <= 1e-12 * (W @ res.z_C).abs().max()
     for name in ("gate", "up"):
         s = res.singular_values[name]
         assert s[0] > 0 and s[1] / s[0] <= 1e-12, (name, s[:3])
