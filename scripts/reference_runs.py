@@ -23,7 +23,14 @@ from ctxpatch_lite.protocol import run_protocol
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def grid():
+def grid(sets=("main", "sweep")):
+    if "sweep" in sets:  # Appendix C.4: start-layer sweep incl. last layer only (17 of 0..17)
+        for dtype in ("float32", "bfloat16"):
+            for variant in ("naive", "stable"):
+                for start in (6, 12, 16, 17):
+                    yield dtype, PatchConfig(variant=variant, start_layer=start)
+    if "main" not in sets:
+        return
     for dtype, variant, apply, h_source in itertools.product(("float32", "bfloat16"), ("naive", "stable"),
                                                               ("materialized", "factored"), ("actual", "recorded")):
         yield dtype, PatchConfig(variant=variant, apply=apply, h_source=h_source)
@@ -35,6 +42,8 @@ def grid():
 def name_of(dtype, c: PatchConfig) -> str:
     if c.mode != "selfcorrect":
         return f"{dtype}-{c.mode}"
+    if c.start_layer:
+        return f"{dtype}-{c.variant}-start{c.start_layer:02d}"
     return f"{dtype}-{c.variant}-{c.apply}-{c.h_source}"
 
 
@@ -43,13 +52,14 @@ def main():
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--out", default=str(ROOT / "data" / "reference"))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sets", nargs="*", default=["main", "sweep"], help="main (the engine grid) and/or sweep")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = json.loads((ROOT / "data" / "prompts.json").read_text())["prompts"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, models = [], {}
-    for dtype, cfg in grid():
+    for dtype, cfg in grid(args.sets):
         if dtype not in models:
             models.clear()
             models[dtype] = load_model(dtype=dtype, device="cpu", progress=False)
@@ -72,11 +82,33 @@ def main():
                "per_prompt": {r["prompt_id"]: r["summary"] for r in runs}, "config": runs[0]["config"],
                "runs": runs, "seconds": round(time.time() - t0, 1)}
         (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
-        rows.append({"name": name, "dtype": dtype, **cfg.to_dict(), **pooled, "seconds": rec["seconds"]})
         print(f"{name:<40} {format_fraction(pooled['n_match'], pooled['n_tokens']):<18} "
               f"Linf med {pooled['linf_median']:.2e} max {pooled['linf_max']:.2e}  TVD med {pooled['tvd_median']:.2e} "
               f"max {pooled['tvd_max']:.2e}  fallbacks {pooled['fallbacks_total']}  hard {pooled['hard_cases_total']}  "
               f"({rec['seconds']} s)", flush=True)
+    write_summary(out)
+    print(f"wrote {out}")
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def write_summary(out: Path):
+    """summary.json / summary.md over every configuration file in ``out`` (token counts included)."""
+    rows = []
+    for f in sorted(out.glob("*.json")):
+        if f.name == "summary.json":
+            continue
+        rec = json.loads(f.read_text())
+        c = rec["config"]
+        steps = [s for r in rec["runs"] for s in r["steps"]]
+        norms = {k: median([s["diagnostics"].get(k, 0.0) for s in steps]) for k in ("matrix_norm", "dm_norm",
+                                                                                   "dm_max_abs")}
+        rows.append({"name": rec["name"], "dtype": c["dtype"], **{k: c[k] for k in ("variant", "start_layer",
+                     "h_source", "apply", "mode", "patch_dtype")}, **rec["summary"],
+                     **{f"median_{k}": v for k, v in norms.items()}, "seconds": rec["seconds"]})
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     lines = ["| configuration | token match (count) | median L∞ | max L∞ | median TVD | max TVD | fallbacks | hard cases |",
              "|---|---|---|---|---|---|---|---|"]
@@ -85,7 +117,6 @@ def main():
                      f"{r['linf_max']:.2e} | {r['tvd_median']:.2e} | {r['tvd_max']:.2e} | {r['fallbacks_total']} | "
                      f"{r['hard_cases_total']} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
