@@ -28,7 +28,7 @@ def grid(sets=("main", "sweep")):
         for dtype in ("float32", "bfloat16"):
             for variant in ("naive", "stable"):
                 for start in (6, 12, 16, 17):
-                    yield dtype, PatchConfig(variant=variant, start_layer=start)
+                    yield dtype, PatchConfig(variant=variant, start_layer=start, apply="materialized")
     if "main" not in sets:
         return
     for dtype, variant, apply, h_source in itertools.product(("float32", "bfloat16"), ("naive", "stable"),
@@ -58,7 +58,7 @@ def main():
     prompts = json.loads((ROOT / "data" / "prompts.json").read_text())["prompts"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, models = [], {}
+    models = {}
     for dtype, cfg in grid(args.sets):
         if dtype not in models:
             models.clear()
