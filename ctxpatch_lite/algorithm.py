@@ -110,10 +110,38 @@ class Algorithm1:
         return out.logits[0, -1], record
 
 
+    @torch.no_grad()
+    def batched(self, seq_ids, positions):
+        """Teacher-forced Algorithm 1 for many queries at once (the paper's protocol with the history known).
+
+        One full-context forward over ``seq_ids`` records the targets and the baseline logits at ``positions``;
+        one query-alone pass runs the N query tokens ``seq_ids[positions]`` as N independent one-token sequences,
+        each row patched with its own patches, computed inside this same pass (factored). Returns
+        (baseline logits (N, V), patched logits (N, V), PassRecord, targets).
+        """
+        if self.config.mode == "fixed":
+            raise ValueError("the fixed mode reuses the first token's patches step after step; run it step by step")
+        if self.config.apply != "factored":
+            raise ValueError("the batched path applies patches factored (one patch per row); use apply='factored' "
+                             "or the step-by-step path for materialized patches")
+        ids = torch.as_tensor(seq_ids, device=self.device).reshape(1, -1)
+        pos = torch.as_tensor(list(positions), device=self.device, dtype=torch.long)
+        if pos.numel() == 0 or int(pos.min()) < 0 or int(pos.max()) >= ids.shape[1]:
+            raise ValueError(f"positions must lie in 0..{ids.shape[1] - 1}")
+        with float64_norms(self.model), TargetRecorder(self.adapter, pos.tolist()) as rec:
+            base = self.model(input_ids=ids, use_cache=False, logits_to_keep=pos).logits[0]
+        targets = rec.targets()
+        hooks = PatchHooks(self.adapter, self.specs(targets), apply="factored", pdtype=self.pdtype)
+        with float64_norms(self.model), hooks as record:
+            out = self.model(input_ids=ids[0, pos].reshape(-1, 1), position_ids=pos.reshape(-1, 1), use_cache=False,
+                             logits_to_keep=1)
+        return base, out.logits[:, -1], record, targets
+
+
 def layer_errors(record, targets) -> list[float]:
     """Per layer: max |patched output - full-context output| / max |full-context output| (the Theorem 1 check)."""
     errs = []
     for l, out in sorted(record.outputs.items()):
-        t = targets[l].out.to(torch.float64)
+        t = targets[l].out.to(torch.float64).reshape(out.shape)
         errs.append(float((out.to(torch.float64) - t).abs().max() / t.abs().max()))
     return errs

@@ -153,13 +153,25 @@ class LayerSpec:
 
 @dataclass
 class PassRecord:
-    patches: dict = field(default_factory=dict)        # layer -> LayerPatch
-    outputs: dict = field(default_factory=dict)        # layer -> 1-D output of the (patched) layer
-    inputs: dict = field(default_factory=dict)         # layer -> 1-D input of the layer
+    """What one patched pass produced. With N query rows (batched), ``rows[i]`` holds row i's patches."""
+
+    patches: dict = field(default_factory=dict)        # layer -> LayerPatch of row 0 (the only row when N = 1)
+    rows: list = field(default_factory=list)           # per query row: layer -> LayerPatch
+    outputs: dict = field(default_factory=dict)        # layer -> (N, d) output rows of the (patched) layer
+    inputs: dict = field(default_factory=dict)         # layer -> (N, d) input rows of the layer
+
+
+def query_rows(t: torch.Tensor) -> torch.Tensor:
+    """(N, d) query rows of a (N, 1, d) activation (N independent one-token sequences; N = 1 step by step)."""
+    return t.reshape(-1, t.shape[-1])
 
 
 class PatchHooks:
-    """Context manager: apply (and, where asked, compute) layer patches during one forward; restore on exit."""
+    """Context manager: apply (and, where asked, compute) layer patches during one forward; restore on exit.
+
+    The forward it wraps runs N independent one-token sequences (input shape (N, 1)); targets in the specs are
+    (N, d) (or (d,) for N = 1). Each row gets its own patch, computed from that row's values in this very pass.
+    """
 
     def __init__(self, adapter: GemmaAdapter, specs: dict, apply: str = "factored", pdtype: torch.dtype | None = None):
         if apply not in APPLY_MODES:
@@ -171,7 +183,7 @@ class PatchHooks:
         self.record = PassRecord()
         self._handles = []
         self._saved = []          # (param, original clone)
-        self._state = {}
+        self._built = {}          # layer -> LayerPatch being built (rows)
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     def _write(self, param: torch.nn.Parameter, new_value: torch.Tensor):
@@ -193,95 +205,101 @@ class PatchHooks:
                 param.copy_(orig)
         self._handles.clear()
         self._saved.clear()
+        if exc[0] is None:
+            self._split_rows()
         return False
+
+    def _split_rows(self):
+        if not self.specs:
+            return
+        n = max(t.shape[0] for t in self.record.outputs.values())
+        self.record.rows = [{} for _ in range(n)]
+        for l in self.specs:
+            built = self._built.get(l)
+            for i in range(n):
+                self.record.rows[i][l] = built.row(i) if built is not None else self.specs[l].patch
+        self.record.patches = dict(self.record.rows[0]) if self.record.rows else {}
 
     # -- per layer -----------------------------------------------------------------------------------------
     def _install(self, l: int, spec: LayerSpec):
         P = self.ad.parts[l]
-        st = self._state.setdefault(l, {})
-        patch = spec.patch if spec.patch is not None else LayerPatch(layer=l, diagnostics=PatchDiagnostics(layer=l))
-        self.record.patches[l] = patch
-        compute = spec.patch is None and spec.targets is not None
-        hook = lambda mod, fn, **kw: self._handles.append(getattr(mod, fn)(**kw))  # noqa: E731
+        st = {}
+        if spec.patch is None and spec.targets is not None:
+            patch = self._built[l] = LayerPatch(layer=l, diagnostics=PatchDiagnostics(layer=l))
+            self._install_compute(l, spec, patch, st)
+        else:
+            patch = spec.patch
+            if self.apply == "materialized":
+                self._materialize_fixed(l, patch)
 
         def layer_pre(mod, args, kwargs):
             if spec.ideal_input is not None:
                 x = args[0]
-                args = (spec.ideal_input.to(x.dtype).reshape(x.shape[:-2] + (1, -1)).expand_as(x).contiguous(),) + args[1:]
-            self.record.inputs[l] = last_row(args[0]).detach().clone()
+                args = (spec.ideal_input.to(x.dtype).reshape(x.shape).contiguous(),) + args[1:]
+            self.record.inputs[l] = query_rows(args[0]).detach().clone()
             return args, kwargs
 
         def layer_post(mod, args, out):
-            self.record.outputs[l] = last_row(out[0] if isinstance(out, tuple) else out).detach().clone()
+            self.record.outputs[l] = query_rows(out[0] if isinstance(out, tuple) else out).detach().clone()
 
         self._handles.append(P.layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
         self._handles.append(P.layer.register_forward_hook(layer_post))
-
-        def capture_v(mod, args):
-            st["v"] = last_row(args[0])
-
-        self._handles.append(P.pre_ff.register_forward_pre_hook(capture_v))
-
-        if compute:
-            self._install_compute(l, spec, patch, st)
-        elif self.apply == "materialized":
-            self._materialize_fixed(l, patch)
-        self._install_factored(l, patch, st)
+        self._handles.append(P.pre_ff.register_forward_pre_hook(lambda mod, args: st.__setitem__("v", query_rows(args[0]))))
+        self._install_factored(l, patch)
 
     def _install_compute(self, l, spec, patch, st):
         P, ad, pd, T = self.ad.parts[l], self.ad, self.pdtype, spec.targets
         diag = patch.diagnostics
+        if self.apply == "materialized" and T.v.dim() == 2 and T.v.shape[0] > 1:
+            raise ValueError("materialized patches need one query per pass; the batched path applies patches factored")
 
         def at_mlp_input(mod, args):
-            z = last_row(args[0])
-            v = st["v"]
-            st["dv"] = T.v.to(pd) - v.to(pd)
-            diag.dv_norm = float(st["dv"].norm())
+            z = query_rows(args[0])
+            patch.dv = T.v.to(pd) - st["v"].to(pd)
             if "input" in spec.parts:
                 patch.gate = input_patch(P.gate.weight, z, T.z, pd, l, "W_gate")
                 patch.up = input_patch(P.up.weight, z, T.z, pd, l, "W_up")
                 if self.apply == "materialized":
-                    self._write(P.gate.weight, P.gate.weight.to(pd) + patch.gate.dense())
-                    self._write(P.up.weight, P.up.weight.to(pd) + patch.up.dense())
+                    self._write(P.gate.weight, P.gate.weight.to(pd) + patch.gate.row(0).dense())
+                    self._write(P.up.weight, P.up.weight.to(pd) + patch.up.row(0).dense())
             if "vanilla" in spec.parts:
-                patch.down_bias = st["dv"]
+                patch.down_bias = patch.dv
 
-        self._handles.append(P.gate.register_forward_pre_hook(lambda mod, args: at_mlp_input(mod, args)))
+        self._handles.append(P.gate.register_forward_pre_hook(at_mlp_input))
 
         if "output" in spec.parts and spec.variant == "stable":
             def at_down_input(mod, args):
-                hg = last_row(args[0])
+                hg = query_rows(args[0])
                 if spec.h_source == "actual":
                     h_gated = hg.to(pd)
-                    h_down = P.down.weight.to(pd) @ h_gated
+                    h_down = h_gated @ P.down.weight.to(pd).T
                 else:
-                    h_gated, h_down = T.h_gated.to(pd), T.h_down.to(pd)
+                    h_gated = T.h_gated.to(pd).reshape(hg.shape)
+                    h_down = T.h_down.to(pd).reshape(hg.shape[0], -1)
                 m = ad.scale(l).to(pd)
-                st["g"] = st["dv"] + m * ad.normalize(h_down).to(pd)
-                patch.down, st["h_target"] = stable_down_patch(st["g"], m, h_down, h_gated, pd, diag)
+                st["g"] = patch.dv + m * ad.normalize(h_down).to(pd)
+                patch.down, st["h_target"], patch.rows_info = stable_down_patch(st["g"], m, h_down, h_gated, pd, diag)
                 if self.apply == "materialized":
-                    self._write(P.down.weight, P.down.weight.to(pd) + patch.down.dense())
+                    self._write(P.down.weight, P.down.weight.to(pd) + patch.down.row(0).dense())
 
             self._handles.append(P.down.register_forward_pre_hook(at_down_input))
 
         if "output" in spec.parts:
             def at_post_norm_input(mod, args):
-                y = last_row(args[0])
+                y = query_rows(args[0])
                 m = ad.scale(l).to(pd)
                 if spec.variant == "naive":
-                    h = ad.normalize(y) if spec.h_source == "actual" else ad.normalize(T.h_down)
-                    patch.dm, diag.fallbacks, diag.min_abs_h = safe_divide(st["dv"], h.to(pd))
+                    h = ad.normalize(y) if spec.h_source == "actual" else ad.normalize(T.h_down).reshape(y.shape)
+                    patch.h_den = h.to(pd)
+                    patch.dm = safe_divide(patch.dv, patch.h_den)[0]
                 else:
                     h = ad.normalize(y) if spec.h_source == "actual" else ad.normalize(st["h_target"])
-                    r = st["g"] - m * h.to(pd)
-                    patch.dm, diag.fallbacks, diag.min_abs_h = safe_divide(r, h.to(pd))
-                fill_norms(patch)
+                    patch.h_den = h.to(pd)
+                    patch.dm = safe_divide(st["g"] - m * patch.h_den, patch.h_den)[0]
                 if self.apply == "materialized":
-                    self._write(P.post_ff.weight, P.post_ff.weight.to(pd) + patch.dm)
+                    self._write(P.post_ff.weight, P.post_ff.weight.to(pd) + patch.dm.reshape(-1))
 
             self._handles.append(P.post_ff.register_forward_pre_hook(at_post_norm_input))
-        else:
-            self._handles.append(P.post_ff.register_forward_pre_hook(lambda mod, args: fill_norms(patch) and None))
 
     def _materialize_fixed(self, l, patch: LayerPatch):
         P, pd = self.ad.parts[l], self.pdtype
@@ -291,7 +309,7 @@ class PatchHooks:
         if patch.dm is not None:
             self._write(P.post_ff.weight, P.post_ff.weight.to(pd) + patch.dm.to(pd))
 
-    def _install_factored(self, l, patch: LayerPatch, st):
+    def _install_factored(self, l, patch: LayerPatch):
         """Hooks that add rank-1 actions / the scale patch at run time (factored) and the vanilla bias (both)."""
         P, ad = self.ad.parts[l], self.ad
         factored = self.apply == "factored"
@@ -302,7 +320,8 @@ class PatchHooks:
                 if factored and r1 is not None:
                     out = out + r1.act(args[0]).to(out.dtype)
                 if name == "down" and patch.down_bias is not None:
-                    out = out + patch.down_bias.to(out.dtype)
+                    out = out + patch.down_bias.reshape(-1, 1, out.shape[-1]).to(out.dtype) \
+                        if patch.down_bias.dim() == 2 else out + patch.down_bias.to(out.dtype)
                 return out
             return fn
 
@@ -314,23 +333,34 @@ class PatchHooks:
                 if patch.dm is None:
                     return out
                 y = args[0]
-                scale = ad.scale_offset + mod.weight.to(ad.norm_dtype) + patch.dm.to(ad.norm_dtype)
+                dm = patch.dm.to(ad.norm_dtype)
+                dm = dm.reshape(-1, 1, dm.shape[-1]) if dm.dim() == 2 else dm
+                scale = ad.scale_offset + mod.weight.to(ad.norm_dtype) + dm
                 return (ad.normalize(y) * scale).to(y.dtype)
 
             self._handles.append(P.post_ff.register_forward_hook(post_norm))
 
 
 class TargetRecorder:
-    """Hooks that record ``LayerTargets`` at the last position of a full-context forward."""
+    """Hooks that record ``LayerTargets`` in a full-context forward of one sequence.
 
-    def __init__(self, adapter: GemmaAdapter):
+    ``positions=None``: the last position, as 1-D vectors. A list of positions: (N, d) rows at those positions
+    (the batched teacher-forced path, one row per query).
+    """
+
+    def __init__(self, adapter: GemmaAdapter, positions=None):
         self.ad = adapter
+        self.positions = None if positions is None else torch.as_tensor(list(positions), dtype=torch.long)
         self.store = {}
         self._handles = []
 
     def __enter__(self):
         self.store = {l: {} for l in range(self.ad.n_layers)}
-        last = lambda t: last_row(t).detach().clone()  # noqa: E731
+        if self.positions is None:
+            last = lambda t: last_row(t).detach().clone()  # noqa: E731
+        else:
+            pos = self.positions
+            last = lambda t: t.reshape(-1, t.shape[-1])[pos.to(t.device)].detach().clone()  # noqa: E731
         for l, P in enumerate(self.ad.parts):
             s = self.store[l]
             reg = self._handles.append

@@ -24,22 +24,37 @@ class PatchError(ValueError):
 
 @dataclass
 class Rank1:
-    """``dW = u z^T / ||z||^2``: ``dW x = u (z . x) / ||z||^2`` and, on ``z`` itself, ``dW z = u``."""
+    """``dW = u z^T / ||z||^2``: ``dW x = u (z . x) / ||z||^2`` and, on ``z`` itself, ``dW z = u``.
+
+    ``u`` (out,) and ``z`` (in,) for one query; or (N, out) and (N, in) for N independent query rows, one patch
+    per row (the batched teacher-forced path).
+    """
 
     u: torch.Tensor
     z: torch.Tensor
 
     @property
     def z_norm2(self) -> torch.Tensor:
-        return (self.z * self.z).sum()
+        return (self.z * self.z).sum(-1)
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply ``dW`` to ``x`` (..., in) -> (..., out) in the patch dtype, without forming ``dW``."""
-        coef = (x.to(self.z.dtype) @ self.z) / self.z_norm2
-        return coef.unsqueeze(-1) * self.u
+        """Apply ``dW`` to ``x`` (..., in) -> (..., out) in the patch dtype, without forming ``dW``.
+
+        With N rows, ``x`` is split into N groups along its leading dimensions (row i gets patch i).
+        """
+        u2, z2 = self.u.reshape(-1, self.u.shape[-1]), self.z.reshape(-1, self.z.shape[-1])
+        n = z2.shape[0]
+        x3 = x.to(self.z.dtype).reshape(n, -1, x.shape[-1])
+        coef = torch.einsum("nki,ni->nk", x3, z2) / (z2 * z2).sum(-1, keepdim=True)
+        return (coef.unsqueeze(-1) * u2.unsqueeze(1)).reshape(*x.shape[:-1], u2.shape[-1])
 
     def dense(self) -> torch.Tensor:
+        if self.u.dim() != 1:
+            raise ValueError("dense() needs a single-row patch; batched patches stay factored")
         return torch.outer(self.u, self.z) / self.z_norm2
+
+    def row(self, i: int) -> "Rank1":
+        return self if self.u.dim() == 1 else Rank1(u=self.u[i], z=self.z[i])
 
     @property
     def frobenius(self) -> float:
@@ -82,8 +97,28 @@ class LayerPatch:
     down_bias: torch.Tensor | None = None   # vanilla control: dv added to the down-projection output
     diagnostics: PatchDiagnostics = field(default_factory=lambda: PatchDiagnostics(layer=-1))
 
+    dv: torch.Tensor | None = None          # v_C - v this patch absorbs (rows while being built)
+    h_den: torch.Tensor | None = None       # what dm divided by
+    rows_info: list | None = None           # stable variant: per-row InversionResult
+
     def summary(self) -> dict:
         return self.diagnostics.to_dict()
+
+    def row(self, i: int) -> "LayerPatch":
+        """Query row ``i`` of a patch built for N rows, as a 1-D patch with its own diagnostics."""
+        sel = lambda t: None if t is None else (t[i] if t.dim() == 2 else t)  # noqa: E731
+        diag = PatchDiagnostics(layer=self.layer)
+        p = LayerPatch(layer=self.layer, gate=self.gate.row(i) if self.gate else None,
+                       up=self.up.row(i) if self.up else None, down=self.down.row(i) if self.down else None,
+                       dm=sel(self.dm), down_bias=sel(self.down_bias), diagnostics=diag, dv=sel(self.dv),
+                       h_den=sel(self.h_den))
+        if p.h_den is not None:
+            diag.fallbacks, diag.min_abs_h = int((p.h_den == 0).sum()), float(p.h_den.abs().min())
+        if self.rows_info is not None:
+            diag.hard_case, diag.bisection_iterations = self.rows_info[i].hard_case, self.rows_info[i].iterations
+        if p.dv is not None:
+            diag.dv_norm = float(p.dv.norm())
+        return fill_norms(p)
 
 
 def default_patch_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -93,12 +128,12 @@ def default_patch_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 def input_patch(W: torch.Tensor, z: torch.Tensor, z_C: torch.Tensor, pdtype: torch.dtype, layer: int = -1,
                 name: str = "W") -> Rank1:
-    """Eqs. 2-3: ``dW = W (z_C - z) z^T / ||z||^2`` so that ``(W + dW) z = W z_C``."""
+    """Eqs. 2-3: ``dW = W (z_C - z) z^T / ||z||^2`` so that ``(W + dW) z = W z_C``. ``z``: (in,) or (N, in)."""
     z_p = z.to(pdtype)
-    if not bool((z_p != 0).any()):
+    if not bool((z_p != 0).any(-1).all()):
         raise PatchError(f"layer {layer}: the MLP input z is the zero vector, so the rank-1 patch of {name} "
                          f"(dW = W (z_C - z) z^T / ||z||^2) does not exist; Theorem 1 requires z != 0")
-    u = W.to(pdtype) @ (z_C.to(pdtype) - z_p)
+    u = (z_C.to(pdtype) - z_p) @ W.to(pdtype).T
     return Rank1(u=u, z=z_p)
 
 
@@ -113,28 +148,29 @@ def safe_divide(num: torch.Tensor, den: torch.Tensor) -> tuple[torch.Tensor, int
     return q, n_fallback, float(den.abs().min())
 
 
-def scale_patch(dv: torch.Tensor, h: torch.Tensor, diag: PatchDiagnostics) -> torch.Tensor:
-    """Eq. 4: ``dm = (v_C - v) / h`` with ``h`` the post-input-patch normalised MLP output."""
-    dm, diag.fallbacks, diag.min_abs_h = safe_divide(dv, h.to(dv.dtype))
-    return dm
-
-
 def stable_down_patch(g: torch.Tensor, m: torch.Tensor, h_down: torch.Tensor, h_gated: torch.Tensor,
-                      pdtype: torch.dtype, diag: PatchDiagnostics) -> tuple[Rank1, torch.Tensor]:
+                      pdtype: torch.dtype, diag: PatchDiagnostics) -> tuple[Rank1, torch.Tensor, list]:
     """Appendix B steps 1-2: invert the RMSNorm for the target ``g`` and patch ``W_down`` by rank 1.
 
-    Returns the down-projection patch and ``h_target`` (in ``pdtype``). The inversion itself runs in float64.
+    Rows (N, d) are inverted one by one, each in float64. Returns the down-projection patch, ``h_target`` (in
+    ``pdtype``) and the per-row ``InversionResult`` list.
     """
-    h_down64 = h_down.to(torch.float64)
-    c0 = float(h_down64.pow(2).mean().sqrt())
-    h_target64, res = invert_rmsnorm(g, m, c0)
-    diag.hard_case, diag.bisection_iterations = res.hard_case, res.iterations
+    g2, hd2 = g.reshape(-1, g.shape[-1]).to(torch.float64), h_down.reshape(-1, h_down.shape[-1]).to(torch.float64)
+    m64 = m.to(torch.float64)
+    targets, infos = [], []
+    for gi, hdi in zip(g2, hd2):
+        t, res = invert_rmsnorm(gi, m64, float(hdi.pow(2).mean().sqrt()))
+        targets.append(t)
+        infos.append(res)
+    h_target64 = torch.stack(targets).reshape(h_down.shape)
+    diag.hard_case = any(r.hard_case for r in infos)
+    diag.bisection_iterations = max(r.iterations for r in infos)
     hg = h_gated.to(pdtype)
-    if not bool((hg != 0).any()):
+    if not bool((hg != 0).any(-1).all()):
         raise PatchError(f"layer {diag.layer}: the gated MLP hidden is the zero vector; the rank-1 W_down patch "
                          f"of Appendix B needs h_gated != 0")
-    down = Rank1(u=(h_target64 - h_down64).to(pdtype), z=hg)
-    return down, h_target64.to(pdtype)
+    down = Rank1(u=(h_target64 - h_down.to(torch.float64)).to(pdtype), z=hg)
+    return down, h_target64.to(pdtype), infos
 
 
 def fill_norms(p: LayerPatch) -> LayerPatch:

@@ -42,9 +42,9 @@ def encode_prompt(tokenizer, prompt: str, chat_template: bool = False) -> list[i
     return ids
 
 
-def step_diagnostics(record) -> dict:
-    """Aggregate the per-layer patch diagnostics of one patched pass (plus per-layer lists for plots)."""
-    ds = [p.diagnostics for _, p in sorted(record.patches.items())]
+def step_diagnostics(patches: dict) -> dict:
+    """Aggregate the per-layer patch diagnostics of one query (layer -> LayerPatch), plus per-layer lists."""
+    ds = [p.diagnostics for _, p in sorted(patches.items())]
     if not ds:
         return {"patched_layers": 0}
     finite = lambda xs: [x for x in xs if not math.isnan(x)]  # noqa: E731
@@ -93,10 +93,30 @@ CASTS = ("patches are built in the patch dtype; the RMSNorm inversion (stable) r
          "metrics are computed in float64 from the logits")
 
 
+def greedy_baseline(model, prompt_ids: list[int], n_tokens: int) -> list[int]:
+    """The baseline's greedy tokens with the full context (KV-cached decode steps, no hooks)."""
+    dev = next(model.parameters()).device
+    ids, cache, out = list(prompt_ids), None, []
+    with torch.no_grad():
+        step = torch.tensor([ids], device=dev)
+        for _ in range(n_tokens):
+            res = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            cache = getattr(res, "cache", None) or res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            step = torch.tensor([[tok]], device=dev)
+    return out
+
+
 def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int = 20,
                  config: PatchConfig | None = None, prompt_ids: list[int] | None = None, chat_template: bool = False,
-                 progress: bool = True, desc: str | None = None) -> dict:
-    """Run the paper's per-token protocol; return a JSON-ready record with per-step metrics and diagnostics."""
+                 progress: bool = True, desc: str | None = None, batched: bool = False) -> dict:
+    """Run the paper's per-token protocol; return a JSON-ready record with per-step metrics and diagnostics.
+
+    ``batched=True`` (teacher-forced): generate the baseline's greedy tokens first (KV-cached), then compute every
+    step's targets in one full-context forward and every step's patched logits in one batched query-alone pass.
+    The baseline logits then come from that full-sequence forward (compare like with like).
+    """
     if prompt_ids is None:
         if tokenizer is None:
             raise PromptError("pass a tokenizer with a text prompt, or prompt_ids")
@@ -109,23 +129,8 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     alg = Algorithm1(model, config or PatchConfig())
     alg.reset()
     ids = list(prompt_ids)
-    steps = []
-    logits, targets, cache = alg.full_context(ids)
-    bar = tqdm(range(n_tokens), desc=desc or f"{alg.config.mode}/{alg.config.variant}", disable=not progress,
-               leave=False)
-    for step in bar:
-        position = len(ids) - 1
-        q_logits, record = alg.patched(ids[-1], position, targets)
-        rec = {"step": step, "position": position, "query_token": ids[-1]}
-        rec.update(compare_logits(logits, q_logits))
-        rec["diagnostics"] = step_diagnostics(record)
-        if tokenizer is not None:
-            rec["baseline_text"] = tokenizer.decode([rec["baseline_token"]])
-            rec["patched_text"] = tokenizer.decode([rec["patched_token"]])
-        steps.append(rec)
-        ids.append(rec["baseline_token"])  # both continue on the baseline's token
-        if step < n_tokens - 1:
-            logits, targets, cache = alg.full_context([rec["baseline_token"]], cache)
+    steps = (_batched_steps if batched else _loop_steps)(alg, ids, n_tokens, tokenizer, progress, desc)
+    ids += [s["baseline_token"] for s in steps]  # both continue on the baseline's token
     summary = aggregate(steps)
     diag = [s["diagnostics"] for s in steps]
     summary.update({
@@ -155,6 +160,41 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
             "device": str(alg.device),
             "n_layers": alg.adapter.n_layers,
             "casts": CASTS,
+            "path": "batched teacher-forced" if batched else "step by step (KV-cached targets)",
             "environment": environment(model),
         },
     }
+
+
+def _step_record(step, position, query, base_logits, patched_logits, patches, tokenizer) -> dict:
+    rec = {"step": step, "position": position, "query_token": query}
+    rec.update(compare_logits(base_logits, patched_logits))
+    rec["diagnostics"] = step_diagnostics(patches)
+    if tokenizer is not None:
+        rec["baseline_text"] = tokenizer.decode([rec["baseline_token"]])
+        rec["patched_text"] = tokenizer.decode([rec["patched_token"]])
+    return rec
+
+
+def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc) -> list[dict]:
+    """Step by step: one KV-cached full-context decode step (targets) and one patched pass per token."""
+    ids, steps = list(prompt_ids), []
+    logits, targets, cache = alg.full_context(ids)
+    for step in tqdm(range(n_tokens), desc=desc or f"{alg.config.mode}/{alg.config.variant}", disable=not progress,
+                     leave=False):
+        q_logits, record = alg.patched(ids[-1], len(ids) - 1, targets)
+        rec = _step_record(step, len(ids) - 1, ids[-1], logits, q_logits, record.patches, tokenizer)
+        steps.append(rec)
+        ids.append(rec["baseline_token"])  # both continue on the baseline's token
+        if step < n_tokens - 1:
+            logits, targets, cache = alg.full_context([rec["baseline_token"]], cache)
+    return steps
+
+
+def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc) -> list[dict]:
+    """Teacher-forced: baseline tokens first, then all targets and all patched passes in one batch each."""
+    seq = list(prompt_ids) + greedy_baseline(alg.model, prompt_ids, n_tokens)[:-1]
+    positions = list(range(len(prompt_ids) - 1, len(seq)))
+    base, patched, record, _ = alg.batched(seq, positions)
+    return [_step_record(i, p, seq[p], base[i], patched[i], record.rows[i] if record.rows else {}, tokenizer)
+            for i, p in enumerate(tqdm(positions, desc=desc or "batched", disable=not progress, leave=False))]

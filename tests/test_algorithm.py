@@ -135,3 +135,35 @@ def test_embedded_float32_all_prompts(embedded, prompts):
     neg = run_protocol(model, tok, prompts[0]["text"], 20, PatchConfig(mode="none"), progress=False)
     assert neg["summary"]["token_match"] <= 0.2 and min(neg["linf"]) > 1.0
     assert_bit_identical(model, snap)
+
+
+@pytest.mark.parametrize("variant", ["naive", "stable"])
+@pytest.mark.parametrize("mode", ["selfcorrect", "ideal", "input-only", "vanilla", "none"])
+def test_batched_agrees_with_loop(tiny32, variant, mode):
+    cfg = PatchConfig(variant=variant, mode=mode)
+    loop = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=6, progress=False, config=cfg)
+    bat = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=6, progress=False, config=cfg, batched=True)
+    assert bat["generated_ids"] == loop["generated_ids"]
+    assert [s["patched_token"] for s in bat["steps"]] == [s["patched_token"] for s in loop["steps"]]
+    for a, b in zip(bat["steps"], loop["steps"]):
+        assert a["position"] == b["position"]
+        if mode in ("selfcorrect", "ideal"):
+            assert a["linf"] <= 1e-4 and b["linf"] <= 1e-4
+        assert a["diagnostics"].get("patched_layers") == b["diagnostics"].get("patched_layers")
+
+
+def test_batched_exact_float64_and_per_row_patches(tiny64):
+    r = run_protocol(tiny64, prompt_ids=CONTEXT_IDS, n_tokens=5, progress=False, batched=True,
+                     config=PatchConfig(variant="stable"))
+    assert max(r["linf"]) <= 1e-10 and r["config"]["path"].startswith("batched")
+    dms = [s["diagnostics"]["dm_norm"] for s in r["steps"]]
+    assert len(set(dms)) == 5  # one patch per row, not one shared patch
+
+
+def test_batched_rejects_sequential_modes(tiny32):
+    with pytest.raises(ValueError, match="step by step"):
+        run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=2, progress=False, batched=True,
+                     config=PatchConfig(mode="fixed"))
+    with pytest.raises(ValueError, match="factored"):
+        run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=2, progress=False, batched=True,
+                     config=PatchConfig(apply="materialized"))
