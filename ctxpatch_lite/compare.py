@@ -50,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="hub id or local folder (default: the embedded Gemma 3 270M)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--chat-template", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    ap.add_argument("--batched", action="store_true", help="batched teacher-forced path (factored patches; not for "
+                                                           "--mode fixed)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (e.g. 1 for steady timings on 2 cores)")
     ap.add_argument("--json", dest="json_out", default=None, help="write the full record to this JSON file")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
         runs = []
         for p in prompts:
             rec = run_protocol(model, tokenizer, p["text"], args.tokens, config, chat_template=args.chat_template,
-                               progress=not args.quiet, desc=p["id"])
+                               progress=not args.quiet, desc=p["id"], batched=args.batched)
             rec["prompt_id"] = p["id"]
             runs.append(rec)
     except (ModelLoadError, UnsupportedArchitectureError, PromptError, ValueError) as exc:

@@ -272,7 +272,7 @@ class PatchHooks:
                 hg = query_rows(args[0])
                 if spec.h_source == "actual":
                     h_gated = hg.to(pd)
-                    h_down = h_gated @ P.down.weight.to(pd).T
+                    h_down = torch.nn.functional.linear(h_gated, P.down.weight.to(pd))
                 else:
                     h_gated = T.h_gated.to(pd).reshape(hg.shape)
                     h_down = T.h_down.to(pd).reshape(hg.shape[0], -1)

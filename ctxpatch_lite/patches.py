@@ -133,7 +133,7 @@ def input_patch(W: torch.Tensor, z: torch.Tensor, z_C: torch.Tensor, pdtype: tor
     if not bool((z_p != 0).any(-1).all()):
         raise PatchError(f"layer {layer}: the MLP input z is the zero vector, so the rank-1 patch of {name} "
                          f"(dW = W (z_C - z) z^T / ||z||^2) does not exist; Theorem 1 requires z != 0")
-    u = (z_C.to(pdtype) - z_p) @ W.to(pdtype).T
+    u = torch.nn.functional.linear(z_C.to(pdtype) - z_p, W.to(pdtype))  # = W (z_C - z), row by row
     return Rank1(u=u, z=z_p)
 
 

@@ -67,12 +67,16 @@ class Algorithm1View:
         return self._models[key]
 
     def run(self, prompt: str, model_name=None, dtype="float32", tokens=20, variant="naive", start_layer=0,
-            apply="factored", h_source="actual", mode="selfcorrect"):
+            apply="factored", h_source="actual", mode="selfcorrect", batched=None):
+        """One protocol run. ``batched=None``: the batched teacher-forced path wherever it applies (factored
+        patches, any mode but ``fixed``), else step by step."""
         from .protocol import run_protocol
 
         model, tok = self.model(model_name, dtype)
         cfg = PatchConfig(variant=variant, start_layer=int(start_layer), apply=apply, h_source=h_source, mode=mode)
-        return run_protocol(model, tok, prompt, int(tokens), cfg, progress=self.progress,
+        if batched is None:
+            batched = apply == "factored" and mode != "fixed"
+        return run_protocol(model, tok, prompt, int(tokens), cfg, progress=self.progress, batched=batched,
                             desc=f"{dtype}/{variant}/start {start_layer}")
 
     def render(self, prompt: str, model_name=None, dtype="float32", tokens=20, variant="naive", start_layer=0,

@@ -47,6 +47,15 @@ def test_run_writes_json(folders):
     assert d["prompt_encoding"].startswith("plain")
 
 
+def test_batched_flag_and_its_limits(folders, tmp_path):
+    out = tmp_path / "b.json"
+    r = cli("--model", folders["gemma"], "--prompt", "hello world", "--tokens", "3", "--batched", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["config"]["path"].startswith("batched")
+    r = cli("--model", folders["gemma"], "--prompt", "hello", "--batched", "--apply", "materialized")
+    assert r.returncode == 2 and "factored" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_prompt_file_pools_prompts(folders, tmp_path):
     pf = tmp_path / "p.json"
     pf.write_text(json.dumps([{"id": "a", "text": "hello"}, {"id": "b", "text": "world!"}]))
