@@ -1,7 +1,7 @@
 # The README's two commands: `make run` (the notebook series, headless) and `make test` (the test suite).
 PY := .venv/bin/python
 
-.PHONY: run test venv reference clean
+.PHONY: run test venv clean
 
 venv:
 	bash scripts/bootstrap.sh
@@ -9,8 +9,10 @@ venv:
 run: venv
 	$(PY) -m ctxpatch_lite.run_notebooks $(ARGS)
 
+# Stored notebook outputs were produced with one torch thread; tests pin the same for deterministic outputs.
 test: venv
-	$(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-kernel-name python3 -p no:cacheprovider $(ARGS)
+	bash scripts/install_browser.sh
+	CTXPATCH_THREADS=1 $(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-kernel-name python3 -p no:cacheprovider $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

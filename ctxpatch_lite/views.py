@@ -15,6 +15,7 @@ from .models import load_model
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 GEMMA_1B = "google/gemma-3-1b-it"
+EMBEDDED = "embedded"  # widget value standing for load_model(None)
 
 
 def load_prompts(path: Path | None = None) -> list[dict]:
@@ -25,7 +26,7 @@ def available_models() -> dict:
     """Label -> model name. Gemma-3-1B is offered only with a GPU and the weights already in the local HF cache."""
     import torch
 
-    models = {"Gemma 3 270M (embedded, CPU)": None}
+    models = {"Gemma 3 270M (embedded, CPU)": EMBEDDED}
     if torch.cuda.is_available():
         try:
             from huggingface_hub import try_to_load_from_cache
@@ -106,7 +107,8 @@ class Algorithm1View:
             "prompt": W.Dropdown(options=prompt_options, value=initial_prompt, description="prompt"),
             "free_text": W.Text(value=initial["prompt"], description="free text", continuous_update=False,
                                 layout=W.Layout(width="90%")),
-            "model": W.Dropdown(options=list(models.items()), value=initial.get("model_name"), description="model"),
+            "model": W.Dropdown(options=list(models.items()), value=initial.get("model_name") or EMBEDDED,
+                                description="model"),
         }
         out = W.Output()
         status = W.HTML(value="<i>change a control to rerun Algorithm 1 and redraw</i>")
@@ -117,7 +119,8 @@ class Algorithm1View:
             with out:
                 out.clear_output(wait=True)
                 try:
-                    res = self.render(prompt, model_name=c["model"].value, dtype=c["dtype"].value,
+                    model_name = None if c["model"].value == EMBEDDED else c["model"].value
+                    res = self.render(prompt, model_name=model_name, dtype=c["dtype"].value,
                                       tokens=initial["tokens"], variant=c["variant"].value,
                                       start_layer=c["start_layer"].value)
                 except ValueError as exc:  # e.g. an empty free-text prompt: say so in the panel
