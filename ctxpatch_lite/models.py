@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -241,8 +242,12 @@ def load_model(name: str | None = None, dtype="float32", device="auto", device_m
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, local_files_only=local_only)
-            model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, **kwargs)
+            # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load.
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                tok_future = pool.submit(AutoTokenizer.from_pretrained, source, trust_remote_code=False,
+                                         local_files_only=local_only)
+                model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, **kwargs)
+                tokenizer = tok_future.result()
     except OSError as exc:
         if isinstance(source, str):
             raise ModelLoadError(

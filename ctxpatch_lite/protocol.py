@@ -130,7 +130,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     alg.reset()
     ids = list(prompt_ids)
     steps = (_batched_steps if batched else _loop_steps)(alg, ids, n_tokens, tokenizer, progress, desc)
-    ids += [s["baseline_token"] for s in steps]  # both continue on the baseline's token
+    ids += [s["next_token"] for s in steps]  # both continued on the baseline's token
     summary = aggregate(steps)
     diag = [s["diagnostics"] for s in steps]
     summary.update({
@@ -184,6 +184,7 @@ def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc
                      leave=False):
         q_logits, record = alg.patched(ids[-1], len(ids) - 1, targets)
         rec = _step_record(step, len(ids) - 1, ids[-1], logits, q_logits, record.patches, tokenizer)
+        rec["next_token"] = rec["baseline_token"]
         steps.append(rec)
         ids.append(rec["baseline_token"])  # both continue on the baseline's token
         if step < n_tokens - 1:
@@ -192,9 +193,20 @@ def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc
 
 
 def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc) -> list[dict]:
-    """Teacher-forced: baseline tokens first, then all targets and all patched passes in one batch each."""
-    seq = list(prompt_ids) + greedy_baseline(alg.model, prompt_ids, n_tokens)[:-1]
+    """Teacher-forced: baseline tokens first, then all targets and all patched passes in one batch each.
+
+    The history follows the KV-cached greedy tokens (``next_token``). The compared baseline logits come from
+    the full-sequence forward; in low precision their argmax can differ from the cached greedy token at a near
+    tie, which the record flags as ``baseline_argmax_differs``.
+    """
+    gen = greedy_baseline(alg.model, prompt_ids, n_tokens)
+    seq = list(prompt_ids) + gen[:-1]
     positions = list(range(len(prompt_ids) - 1, len(seq)))
     base, patched, record, _ = alg.batched(seq, positions)
-    return [_step_record(i, p, seq[p], base[i], patched[i], record.rows[i] if record.rows else {}, tokenizer)
-            for i, p in enumerate(tqdm(positions, desc=desc or "batched", disable=not progress, leave=False))]
+    steps = []
+    for i, p in enumerate(tqdm(positions, desc=desc or "batched", disable=not progress, leave=False)):
+        rec = _step_record(i, p, seq[p], base[i], patched[i], record.rows[i] if record.rows else {}, tokenizer)
+        rec["next_token"] = gen[i]
+        rec["baseline_argmax_differs"] = rec["baseline_token"] != gen[i]
+        steps.append(rec)
+    return steps
