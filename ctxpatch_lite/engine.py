@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .patches import (LayerPatch, PatchDiagnostics, PatchError, default_patch_dtype, fill_norms, input_patch,
+from .patches import (LayerPatch, PatchDiagnostics, default_patch_dtype, input_patch,
                       safe_divide, stable_down_patch)
 
 VARIANTS = ("naive", "stable")

@@ -1,6 +1,5 @@
 """The from-scratch teaching block matches transformers' Gemma3DecoderLayer on real activations."""
 import pytest
-import torch
 
 from ctxpatch_lite.block import GemmaBlock, layer_io
 from ctxpatch_lite.fixtures import tiny_gemma3
