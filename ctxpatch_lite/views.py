@@ -53,19 +53,26 @@ def run_table(run: dict) -> str:
 
 
 class Algorithm1View:
-    """Caches loaded models (at most two dtypes at a time) and renders runs for the notebooks."""
+    """Renders runs for the notebooks, keeping one model in memory at a time (Binder has ~2 GB of RAM).
+
+    Switching precision or model frees the previous one before loading the next; the tokenizer is shared per
+    model name.
+    """
 
     def __init__(self, progress: bool = True):
-        self._models = {}
+        self._key, self._model, self._tokenizers = None, None, {}
         self.progress = progress
 
     def model(self, name, dtype):
-        key = (name, dtype)
-        if key not in self._models:
-            while len(self._models) >= 2:
-                self._models.pop(next(iter(self._models)))
-            self._models[key] = load_model(name, dtype=dtype, progress=False)
-        return self._models[key]
+        import gc
+
+        if self._key != (name, dtype):
+            self._key, self._model = None, None
+            gc.collect()
+            model, tok = load_model(name, dtype=dtype, progress=False)
+            self._tokenizers.setdefault(name, tok)
+            self._key, self._model = (name, dtype), model
+        return self._model, self._tokenizers[name]
 
     def run(self, prompt: str, model_name=None, dtype="float32", tokens=20, variant="naive", start_layer=0,
             apply="factored", h_source="actual", mode="selfcorrect", batched=None):
