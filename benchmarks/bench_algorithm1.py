@@ -73,12 +73,13 @@ def main(argv=None):
     from ctxpatch_lite import load_model
     from ctxpatch_lite.algorithm import Algorithm1, PatchConfig
     from ctxpatch_lite.protocol import greedy_baseline
+    from ctxpatch_lite.views import load_prompts
 
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, progress=False)
     dev = next(model.parameters()).device
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
-    prompts = json.loads((ROOT / "data" / "prompts.json").read_text())["prompts"][: args.prompts]
+    prompts = load_prompts()[: args.prompts]
     n = args.tokens
     rows = {k: {"seconds": 0.0, "peak_mb": 0.0} for k in ("decode", "loop_factored", "loop_materialized", "batched")}
     agree, max_diff = [], 0.0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .algorithm import MODES, PatchConfig
 from .engine import APPLY_MODES, H_SOURCES, VARIANTS, UnsupportedArchitectureError
-from .metrics import aggregate, format_fraction
+from .metrics import format_fraction
 from .models import DTYPES, ModelLoadError
 
 
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     from .algorithm import Algorithm1
     from .models import load_model
-    from .protocol import PromptError, run_protocol
+    from .protocol import PromptError, run_protocol, summarize
 
     try:
         model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, progress=not args.quiet)
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     except (ModelLoadError, UnsupportedArchitectureError, PromptError, ValueError) as exc:
         return _fail(str(exc))
     steps = [s for r in runs for s in r["steps"]]
-    pooled = aggregate(steps)
+    pooled = summarize(steps)
     out = runs[0] if len(runs) == 1 else {
         "n_tokens": pooled["n_tokens"], "token_match": pooled["token_match"],
         "linf": [s["linf"] for s in steps], "tvd": [s["tvd"] for s in steps], "steps": steps,
@@ -108,9 +108,7 @@ def main(argv=None) -> int:
           f"apply {config.apply}  h_source {config.h_source}  start_layer {config.start_layer}")
     print(f"{'prompt':<12}{'tokens':>7}  {'token match':<18}{'median Linf':>12}{'max Linf':>11}{'median TVD':>12}"
           f"{'fallbacks':>10}{'hard':>6}")
-    for r in runs + ([{"prompt_id": "ALL", "summary": {**pooled, "fallbacks_total": sum(
-            x["summary"]["fallbacks_total"] for x in runs), "hard_cases_total": sum(
-            x["summary"]["hard_cases_total"] for x in runs)}}] if len(runs) > 1 else []):
+    for r in runs + ([{"prompt_id": "ALL", "summary": pooled}] if len(runs) > 1 else []):
         s = r["summary"]
         print(f"{r['prompt_id']:<12}{s['n_tokens']:>7}  {format_fraction(s['n_match'], s['n_tokens']):<18}"
               f"{s['linf_median']:>12.3e}{s['linf_max']:>11.3e}{s['tvd_median']:>12.3e}"

@@ -158,7 +158,6 @@ class PassRecord:
     patches: dict = field(default_factory=dict)        # layer -> LayerPatch of row 0 (the only row when N = 1)
     rows: list = field(default_factory=list)           # per query row: layer -> LayerPatch
     outputs: dict = field(default_factory=dict)        # layer -> (N, d) output rows of the (patched) layer
-    inputs: dict = field(default_factory=dict)         # layer -> (N, d) input rows of the layer
 
 
 def query_rows(t: torch.Tensor) -> torch.Tensor:
@@ -191,6 +190,14 @@ class PatchHooks:
         self._saved.append((param, param.detach().clone()))
         with torch.no_grad():
             param.copy_(new_value.to(param.dtype))
+
+    def _write_rank1(self, lin: torch.nn.Linear, r1) -> None:
+        """Materialize ``W + dW`` for one (single-row) rank-1 patch."""
+        self._write(lin.weight, lin.weight.to(self.pdtype) + r1.row(0).dense().to(self.pdtype))
+
+    def _write_scale(self, norm: torch.nn.Module, dm: torch.Tensor) -> None:
+        """Materialize ``w + dm`` for the post-feedforward norm scale."""
+        self._write(norm.weight, norm.weight.to(self.pdtype) + dm.reshape(-1).to(self.pdtype))
 
     def __enter__(self):
         for l, spec in self.specs.items():
@@ -233,16 +240,14 @@ class PatchHooks:
                 self._materialize_fixed(l, patch)
 
         def layer_pre(mod, args, kwargs):
-            if spec.ideal_input is not None:
-                x = args[0]
-                args = (spec.ideal_input.to(x.dtype).reshape(x.shape).contiguous(),) + args[1:]
-            self.record.inputs[l] = query_rows(args[0]).detach().clone()
-            return args, kwargs
+            x = args[0]
+            return (spec.ideal_input.to(x.dtype).reshape(x.shape).contiguous(),) + args[1:], kwargs
 
         def layer_post(mod, args, out):
             self.record.outputs[l] = query_rows(out[0] if isinstance(out, tuple) else out).detach().clone()
 
-        self._handles.append(P.layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
+        if spec.ideal_input is not None:  # the ideal mode feeds the recorded full-context input
+            self._handles.append(P.layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
         self._handles.append(P.layer.register_forward_hook(layer_post))
         self._handles.append(P.pre_ff.register_forward_pre_hook(lambda mod, args: st.__setitem__("v", query_rows(args[0]))))
         self._install_factored(l, patch)
@@ -260,8 +265,8 @@ class PatchHooks:
                 patch.gate = input_patch(P.gate.weight, z, T.z, pd, l, "W_gate")
                 patch.up = input_patch(P.up.weight, z, T.z, pd, l, "W_up")
                 if self.apply == "materialized":
-                    self._write(P.gate.weight, P.gate.weight.to(pd) + patch.gate.row(0).dense())
-                    self._write(P.up.weight, P.up.weight.to(pd) + patch.up.row(0).dense())
+                    self._write_rank1(P.gate, patch.gate)
+                    self._write_rank1(P.up, patch.up)
             if "vanilla" in spec.parts:
                 patch.down_bias = patch.dv
 
@@ -280,7 +285,7 @@ class PatchHooks:
                 st["g"] = patch.dv + m * ad.normalize(h_down).to(pd)
                 patch.down, st["h_target"], patch.rows_info = stable_down_patch(st["g"], m, h_down, h_gated, pd, diag)
                 if self.apply == "materialized":
-                    self._write(P.down.weight, P.down.weight.to(pd) + patch.down.row(0).dense())
+                    self._write_rank1(P.down, patch.down)
 
             self._handles.append(P.down.register_forward_pre_hook(at_down_input))
 
@@ -297,17 +302,17 @@ class PatchHooks:
                     patch.h_den = h.to(pd)
                     patch.dm = safe_divide(st["g"] - m * patch.h_den, patch.h_den)[0]
                 if self.apply == "materialized":
-                    self._write(P.post_ff.weight, P.post_ff.weight.to(pd) + patch.dm.reshape(-1))
+                    self._write_scale(P.post_ff, patch.dm)
 
             self._handles.append(P.post_ff.register_forward_pre_hook(at_post_norm_input))
 
     def _materialize_fixed(self, l, patch: LayerPatch):
-        P, pd = self.ad.parts[l], self.pdtype
+        P = self.ad.parts[l]
         for r1, lin in ((patch.gate, P.gate), (patch.up, P.up), (patch.down, P.down)):
             if r1 is not None:
-                self._write(lin.weight, lin.weight.to(pd) + r1.dense().to(pd))
+                self._write_rank1(lin, r1)
         if patch.dm is not None:
-            self._write(P.post_ff.weight, P.post_ff.weight.to(pd) + patch.dm.to(pd))
+            self._write_scale(P.post_ff, patch.dm)
 
     def _install_factored(self, l, patch: LayerPatch):
         """Hooks that add rank-1 actions / the scale patch at run time (factored) and the vanilla bias (both)."""

@@ -108,6 +108,19 @@ def greedy_baseline(model, prompt_ids: list[int], n_tokens: int) -> list[int]:
     return out
 
 
+def summarize(steps: list[dict]) -> dict:
+    """``aggregate`` of the metrics plus the patch-condition totals, over any list of step records."""
+    summary = aggregate(steps)
+    diag = [s["diagnostics"] for s in steps]
+    summary.update({
+        "fallbacks_total": sum(d.get("fallbacks", 0) for d in diag),
+        "hard_cases_total": sum(d.get("hard_cases", 0) for d in diag),
+        "min_abs_h": min((d["min_abs_h"] for d in diag if "min_abs_h" in d and not math.isnan(d["min_abs_h"])),
+                         default=float("nan")),
+    })
+    return summary
+
+
 def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int = 20,
                  config: PatchConfig | None = None, prompt_ids: list[int] | None = None, chat_template: bool = False,
                  progress: bool = True, desc: str | None = None, batched: bool = False) -> dict:
@@ -131,14 +144,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     ids = list(prompt_ids)
     steps = (_batched_steps if batched else _loop_steps)(alg, ids, n_tokens, tokenizer, progress, desc)
     ids += [s["next_token"] for s in steps]  # both continued on the baseline's token
-    summary = aggregate(steps)
-    diag = [s["diagnostics"] for s in steps]
-    summary.update({
-        "fallbacks_total": sum(d.get("fallbacks", 0) for d in diag),
-        "hard_cases_total": sum(d.get("hard_cases", 0) for d in diag),
-        "min_abs_h": min((d["min_abs_h"] for d in diag if "min_abs_h" in d and not math.isnan(d["min_abs_h"])),
-                         default=float("nan")),
-    })
+    summary = summarize(steps)
     return {
         "prompt": prompt,
         "prompt_ids": prompt_ids,

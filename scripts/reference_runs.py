@@ -17,8 +17,9 @@ import torch
 
 from ctxpatch_lite import load_model
 from ctxpatch_lite.algorithm import PatchConfig
-from ctxpatch_lite.metrics import aggregate, format_fraction
-from ctxpatch_lite.protocol import run_protocol
+from ctxpatch_lite.metrics import format_fraction
+from ctxpatch_lite.protocol import run_protocol, summarize
+from ctxpatch_lite.views import load_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +56,7 @@ def main():
     ap.add_argument("--sets", nargs="*", default=["main", "sweep"], help="main (the engine grid) and/or sweep")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    prompts = json.loads((ROOT / "data" / "prompts.json").read_text())["prompts"]
+    prompts = load_prompts()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models = {}
@@ -73,9 +74,7 @@ def main():
                 s["diagnostics"].pop("per_layer", None)
             runs.append(r)
         steps = [s for r in runs for s in r["steps"]]
-        pooled = aggregate(steps)
-        pooled["fallbacks_total"] = sum(r["summary"]["fallbacks_total"] for r in runs)
-        pooled["hard_cases_total"] = sum(r["summary"]["hard_cases_total"] for r in runs)
+        pooled = summarize(steps)
         name = name_of(dtype, cfg)
         rec = {"name": name, "n_tokens": pooled["n_tokens"], "token_match": pooled["token_match"],
                "linf": [s["linf"] for s in steps], "tvd": [s["tvd"] for s in steps], "summary": pooled,
