@@ -100,19 +100,37 @@ def last_row(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])[-1]
 
 
+def rmsnorm_eps(mod) -> float | None:
+    """The epsilon of an RMSNorm module (``eps`` in Gemma, ``variance_epsilon`` in Llama-style classes)."""
+    eps = getattr(mod, "eps", None)
+    return getattr(mod, "variance_epsilon", None) if eps is None else eps
+
+
+def rmsnorm_offset(mod) -> float:
+    """Gemma's RMSNorm scales by ``1 + weight``; Llama-style ones (Llama, Qwen, Mixtral, OLMo 2) by ``weight``."""
+    return 1.0 if type(mod).__name__.startswith("Gemma") else 0.0
+
+
 def _rmsnorm_norm_modules(model):
-    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and hasattr(m, "eps")]
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and rmsnorm_eps(m) is not None]
 
 
 @contextlib.contextmanager
-def float64_norms(model, offset: float = 1.0):
-    """Recompute every (Gemma-style, ``1 + weight``) RMSNorm in float64 when the model is float64."""
+def float64_norms(model):
+    """Recompute every RMSNorm in float64 when the model is float64 (transformers' classes upcast to float32 only).
+
+    Gemma-style norms scale by ``1 + weight``, the others by ``weight`` (``rmsnorm_offset``); a norm without a
+    trainable weight scales by 1.
+    """
     handles = []
 
     def hook(mod, args, out):
         x = args[0].to(torch.float64)
-        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mod.eps)
-        return (n * (offset + mod.weight.to(torch.float64))).to(args[0].dtype)
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + rmsnorm_eps(mod))
+        w = getattr(mod, "weight", None)
+        if w is not None:
+            n = n * (rmsnorm_offset(mod) + w.to(torch.float64))
+        return n.to(args[0].dtype)
 
     if next(model.parameters()).dtype == torch.float64:
         handles = [m.register_forward_hook(hook) for m in _rmsnorm_norm_modules(model)]
