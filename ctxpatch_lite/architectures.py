@@ -142,6 +142,7 @@ def run_algorithm1(model, prompt_ids, n_tokens: int = 8, start_layer: int = 0, p
                 matches=sum(s["match"] for s in steps), none_matches=sum(s["none_match"] for s in steps),
                 max_block_error=max(max(s["layer_errors"]) for s in steps),
                 linf_median=statistics.median(linf), linf_max=max(linf), linf_last=linf[-1],
+                none_linf_median=statistics.median(s["none_linf"] for s in steps),
                 fallbacks=sum(s["fallbacks"] for s in steps),
                 routing_matches=sum(s["routing_match"] for s in steps),
                 min_S=min((s["min_S"] for s in steps if s["min_S"] is not None), default=None))
@@ -161,7 +162,9 @@ class FamilyRow:
     linf_last: float
     fallbacks: int
     none_token_match: str
+    none_linf_median: float
     routing: str
+    weights: str = "random (seeded)"
 
     def to_dict(self):
         return asdict(self)
@@ -186,14 +189,33 @@ def describe_parts(adapter: BlockAdapter) -> tuple[str, str, str]:
     return block, "; ".join(ins), "; ".join(outs)
 
 
-def verify_family(family: str, dtype="float64", n_tokens: int = 8, seed: int = 0, prompt_len: int = 6) -> FamilyRow:
+def _row(model, family_key: str, res: dict, dtype: str, weights: str) -> FamilyRow:
+    adapter = BlockAdapter(model)
+    block, ins, outs = describe_parts(adapter)
+    moe = any(p.output_kind == "moe" for p in adapter.parts)
+    routing = f"{res['routing_matches']}/{res['tokens']}, min S {res['min_S']:.3f}" if moe else "-"
+    return FamilyRow(family_key, type(model).__name__, block, ins, outs, dtype, res["max_block_error"],
+                     f"{res['matches']}/{res['tokens']}", res["linf_median"], res["linf_last"], res["fallbacks"],
+                     f"{res['none_matches']}/{res['tokens']}", res["none_linf_median"], routing, weights)
+
+
+def verify_family(family: str, dtype="float64", n_tokens: int = 8, seed: int = 0, prompt_len: int = 6,
+                  progress: bool = False) -> FamilyRow:
+    """Algorithm 1 (all layers, self-correcting) on the seeded tiny model of ``family``: one table row."""
     model = tiny_model(family, seed=seed, dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist()
-    res = run_algorithm1(model, prompt, n_tokens=n_tokens)
-    block, ins, outs = describe_parts(BlockAdapter(model))
-    moe = any(is_moe(getattr(layer, "mlp", None)) for layer in [p.layer for p in BlockAdapter(model).parts])
-    routing = f"{res['routing_matches']}/{res['tokens']}, min S {res['min_S']:.3f}" if moe else "-"
-    return FamilyRow(family, type(model).__name__, block, ins, outs, dtype, res["max_block_error"],
-                     f"{res['matches']}/{res['tokens']}", res["linf_median"], res["linf_last"], res["fallbacks"],
-                     f"{res['none_matches']}/{res['tokens']}", routing)
+    res = run_algorithm1(model, prompt, n_tokens=n_tokens, progress=progress)
+    return _row(model, family, res, dtype, "random (seeded)")
+
+
+def verify_embedded(dtype="float32", n_tokens: int = 4, prompt: str = "The capital of France is",
+                    progress: bool = False) -> FamilyRow:
+    """The same generic path on the real embedded Gemma 3 270M (the one real checkpoint available offline)."""
+    from .models import load_model
+    from .protocol import encode_prompt
+
+    model, tokenizer = load_model(dtype=dtype, device="cpu")
+    ids = encode_prompt(tokenizer, prompt)
+    res = run_algorithm1(model, ids, n_tokens=n_tokens, progress=progress)
+    return _row(model, "gemma3", res, dtype, "real: embedded Gemma 3 270M")

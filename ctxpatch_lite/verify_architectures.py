@@ -1,0 +1,94 @@
+"""Algorithm 1 on every supported transformers family (paper Section 5, Table 1), on seeded tiny models.
+
+    python -m ctxpatch_lite.verify_architectures [--dtype float64] [--json OUT] [--tokens 8] [--embedded]
+
+Prints one row per family: transformers class, block kind, input patch, output patch, the largest relative error
+of any patched block against its full-context output, Algorithm 1 token match and L_inf over the generated tokens,
+fallbacks (h_i == 0), and the unpatched control. Exits 1 if a family misses its target (float64: block error
+<= 1e-10 and 100% token match; other dtypes: 100% token match), 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .architectures import verify_embedded, verify_family
+from .controllability import FAMILIES
+from .models import DTYPES
+
+FLOAT64_TOLERANCE = 1e-10
+
+
+def passes(row) -> bool:
+    done, total = (int(x) for x in row.token_match.split("/"))
+    ok = done == total
+    if row.dtype == "float64":
+        ok = ok and row.max_block_rel_error <= FLOAT64_TOLERANCE
+    return ok
+
+
+def format_table(rows) -> str:
+    head = ("family", "class", "block", "input patch", "output patch", "dtype", "block err", "match", "L_inf med",
+            "fallbacks", "unpatched match", "unpatched L_inf", "routing", "weights")
+    lines = [head]
+    for r in rows:
+        lines.append((r.family, r.hf_class, r.block, r.input_patch, r.output_patch, r.dtype,
+                      f"{r.max_block_rel_error:.1e}", r.token_match, f"{r.linf_median:.1e}", str(r.fallbacks),
+                      r.none_token_match, f"{r.none_linf_median:.1e}", r.routing, r.weights))
+    widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(l, widths)).rstrip() for l in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ctxpatch_lite.verify_architectures",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="float64", help="float64 | float32 | bfloat16 (default float64)")
+    ap.add_argument("--tokens", type=int, default=8, help="generated tokens per family (default 8)")
+    ap.add_argument("--families", nargs="+", default=None, help=f"subset of: {' '.join(FAMILIES)}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--embedded", action="store_true",
+                    help="also run the generic path on the real embedded Gemma 3 270M (float32, 4 tokens)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads")
+    ap.add_argument("--json", dest="json_out", default=None, help="write the rows to this JSON file")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        if args.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        unknown = [f for f in args.families or [] if f not in FAMILIES]
+        if unknown:
+            raise ValueError(f"unknown family {unknown[0]!r}; choose from: {' '.join(FAMILIES)}")
+        if args.tokens < 1:
+            raise ValueError("--tokens must be at least 1")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [verify_family(f, dtype=args.dtype, n_tokens=args.tokens, seed=args.seed, progress=not args.quiet)
+            for f in (args.families or FAMILIES)]
+    if args.embedded:
+        rows.append(verify_embedded(progress=not args.quiet))
+    print(format_table(rows))
+    failed = [r.family for r in rows if not passes(r)]
+    print(f"\n{len(rows) - len(failed)}/{len(rows)} families meet the target"
+          + (f" (block error <= {FLOAT64_TOLERANCE:g} and 100% token match)" if args.dtype == "float64"
+             else " (100% token match)") + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as fh:
+            json.dump({"dtype": args.dtype, "tokens": args.tokens, "seed": args.seed,
+                       "rows": [r.to_dict() for r in rows]}, fh, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

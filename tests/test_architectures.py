@@ -1,0 +1,209 @@
+"""The controllability framework on every family (paper Section 5, Table 1), its error paths, Appendix D and E."""
+import json
+
+import pytest
+import torch
+
+from ctxpatch_lite.architectures import VOCAB, algorithm1_step, run_algorithm1, tiny_model, verify_family
+from ctxpatch_lite.controllability import (FAMILIES, BlockAdapter, BlockRecorder, ControlledPass,
+                                           UnsupportedArchitectureError, family_of)
+from ctxpatch_lite.engine import float64_norms
+from ctxpatch_lite.patches import PatchError
+
+from conftest import assert_bit_identical, snapshot
+
+PROMPT = [5, 17, 33, 8, 90, 41, 12]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_float64_algorithm1_is_exact_and_restores_weights(family):
+    model = tiny_model(family, dtype="float64")
+    snap = snapshot(model)
+    res = run_algorithm1(model, PROMPT, n_tokens=4)
+    assert res["matches"] == res["tokens"] == 4
+    assert res["max_block_error"] <= 1e-10
+    assert res["linf_max"] <= 1e-10
+    assert res["none_linf_median"] > 1e-3          # the context matters: the unpatched control is far off
+    assert res["fallbacks"] == 0
+    assert_bit_identical(model, snap)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_float32_token_match(family):
+    res = run_algorithm1(tiny_model(family, dtype="float32"), PROMPT, n_tokens=3)
+    assert res["matches"] == 3
+    assert res["linf_max"] < 1e-4
+
+
+def test_patches_are_rank1_with_conv1d_layout_handled():
+    model = tiny_model("gpt2")
+    ad = BlockAdapter(model)
+    *_, patches = algorithm1_step(model, ad, PROMPT)
+    r1 = patches[0].inputs["c_fc"]
+    s = torch.linalg.svdvals(r1.dense())
+    assert s[1] <= 1e-12 * s[0]
+    assert patches[0].output["bias"].shape == (model.config.n_embd,)
+
+
+def test_moe_routing_and_gate_sums():
+    for family, renormalised in (("mixtral", True), ("qwen2_moe", False), ("qwen3_moe", False)):
+        model = tiny_model(family)
+        *_, patches = algorithm1_step(model, BlockAdapter(model), PROMPT)
+        for p in patches.values():
+            d = p.diagnostics
+            assert d["routing_match"] and len(d["experts"]) == model.config.num_experts_per_tok
+            assert (abs(d["S"] - 1) < 1e-6) == renormalised, (family, d["S"])
+            assert set(p.output) == {f"expert{e}.down" for e in d["experts"]}
+    qwen = tiny_model("qwen2_moe")
+    *_, patches = algorithm1_step(qwen, BlockAdapter(qwen), PROMPT)
+    assert {"shared.gate_proj", "shared.up_proj", "shared_gate", "router"} <= set(patches[0].inputs)
+
+
+def test_generic_path_agrees_with_the_gemma_engine():
+    from ctxpatch_lite.algorithm import Algorithm1
+    model = tiny_model("gemma3", dtype="float64")
+    base, patched, *_ = algorithm1_step(model, BlockAdapter(model), PROMPT)
+    alg = Algorithm1(model)
+    _, targets, _ = alg.full_context(PROMPT)
+    logits, _ = alg.patched(PROMPT[-1], len(PROMPT) - 1, targets)
+    assert float((logits - patched).abs().max()) <= 1e-10
+    assert float((logits - base).abs().max()) <= 1e-10
+
+
+def test_start_layer_patches_only_upper_layers():
+    model = tiny_model("llama")
+    res = run_algorithm1(model, PROMPT, n_tokens=2, start_layer=2)
+    assert res["matches"] == 2 and len(res["steps"][0]["layer_errors"]) == 1
+    with pytest.raises(ValueError, match="start_layer 3 out of range 0..2"):
+        run_algorithm1(model, PROMPT, n_tokens=1, start_layer=3)
+
+
+# -- conditions as errors or counts -----------------------------------------------------------------------------
+def test_unknown_architecture_names_what_is_missing():
+    from transformers import BertConfig
+    with pytest.raises(UnsupportedArchitectureError, match="model_type 'bert' has no adapter.*output-controllable"):
+        family_of(BertConfig())
+
+
+def test_post_norm_without_trainable_scale_is_refused():
+    model = tiny_model("olmo2")
+    for layer in model.model.layers:
+        layer.post_feedforward_layernorm = torch.nn.RMSNorm(model.config.hidden_size, eps=1e-6,
+                                                            elementwise_affine=False).double()
+    with pytest.raises(UnsupportedArchitectureError, match="no trainable scale.*Appendix D"):
+        BlockAdapter(model)
+
+
+def test_missing_module_is_named():
+    model = tiny_model("llama")
+    del model.model.layers[1].mlp.down_proj
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 1 .* no mlp.down_proj"):
+        BlockAdapter(model)
+
+
+def test_zero_mlp_input_raises_naming_the_layer():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight.zero_()
+    with pytest.raises(PatchError, match="layer 1: the MLP input z is the zero vector"):
+        run_algorithm1(model, PROMPT, n_tokens=1)
+
+
+def test_zero_hidden_raises_for_the_output_matrix():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate_proj.weight.zero_()   # silu(0) * up = 0
+    with pytest.raises(PatchError, match="layer 0: the MLP hidden h is the zero vector"):
+        run_algorithm1(model, PROMPT, n_tokens=1)
+
+
+def test_zero_normalised_output_coordinates_are_counted():
+    model = tiny_model("olmo2")
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[3].zero_()   # y_3 = 0, so h_3 = N(y)_3 = 0
+    res = run_algorithm1(model, PROMPT, n_tokens=2)
+    assert res["fallbacks"] == 2                              # one coordinate, two steps, counted
+    step = algorithm1_step(model, BlockAdapter(model), PROMPT)
+    assert step[4][0].diagnostics["fallbacks"] == 1 and step[4][0].diagnostics["min_abs_h"] == 0.0
+
+
+def test_zero_gate_sum_raises(monkeypatch):
+    model = tiny_model("qwen2_moe")
+    router = model.model.layers[0].mlp.gate
+    orig = router.forward
+
+    def zero_scores(h):
+        logits, scores, idx = orig(h)
+        return logits, torch.zeros_like(scores), idx
+    monkeypatch.setattr(router, "forward", zero_scores)
+    ad = BlockAdapter(model)
+    with float64_norms(model), BlockRecorder(ad) as rec:
+        model(input_ids=torch.tensor([PROMPT]))
+    with pytest.raises(PatchError, match="layer 0: the selected experts' gates sum to S = 0"):
+        with ControlledPass(ad, {0: rec.targets()[0]}):
+            model(input_ids=torch.tensor([[PROMPT[-1]]]), position_ids=torch.tensor([[len(PROMPT) - 1]]))
+
+
+def test_saved_folder_round_trip(tmp_path):
+    """A family loaded from a local folder (as a hub checkpoint would be) runs the same path."""
+    from transformers import AutoModelForCausalLM
+    tiny_model("mistral", dtype="float32").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    res = run_algorithm1(model, PROMPT, n_tokens=2)
+    assert res["matches"] == 2 and res["max_block_error"] <= 1e-10
+
+
+# -- CLI ---------------------------------------------------------------------------------------------------------
+def test_verify_architectures_cli(tmp_path, capsys):
+    from ctxpatch_lite.verify_architectures import main
+    out = tmp_path / "va.json"
+    assert main(["--families", "llama", "gpt2", "mixtral", "--tokens", "2", "--quiet", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "GPT2LMHeadModel" in text and "3/3 families meet the target" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["family"] for r in rows] == ["llama", "gpt2", "mixtral"]
+    assert all(r["token_match"] == "2/2" and r["max_block_rel_error"] <= 1e-10 for r in rows)
+
+
+@pytest.mark.parametrize("argv,msg", [(["--dtype", "float16"], "unknown dtype 'float16'"),
+                                      (["--families", "bert"], "unknown family 'bert'"),
+                                      (["--tokens", "0"], "--tokens must be at least 1")])
+def test_verify_architectures_bad_arguments(argv, msg, capsys):
+    from ctxpatch_lite.verify_architectures import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0]
+
+
+def test_verify_family_row_in_float32():
+    row = verify_family("falcon-parallel", dtype="float32", n_tokens=2)
+    assert row.block.startswith("parallel") and row.token_match == "2/2" and row.max_block_rel_error < 1e-5
+
+
+# -- Appendix D and E --------------------------------------------------------------------------------------------
+def test_appendix_d_no_upstream_patch_reaches_the_target():
+    from ctxpatch_lite.appendix import appendix_d
+    r = appendix_d(steps=150)
+    assert r["dv_norm"] > r["bound"] > 0
+    assert r["best_residual"] >= r["lower_bound_on_residual"] > 0   # the theorem: the search cannot cross it
+    assert r["best_residual"] < r["initial_residual"]                # the search did make progress
+    assert r["trainable_scale_residual"] < 1e-12                     # a trainable scale reaches it exactly
+
+
+def test_appendix_e_outer_matrix_increments_telescope():
+    from ctxpatch_lite.appendix import appendix_e_outer, unit_trace_step
+    W, D = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    assert torch.allclose(unit_trace_step(W, D), W + D, atol=0, rtol=1e-15)
+    r = appendix_e_outer(tiny_model("llama"), PROMPT, layer=1)
+    assert r["n_context"] == len(PROMPT) - 1 and len(r["steps"]) == r["n_context"]
+    assert r["gate_telescoping_error"] < 1e-12 and r["down_telescoping_error"] < 1e-12 and r["block_error"] < 1e-12
+    with pytest.raises(ValueError, match="outer-matrix block"):
+        appendix_e_outer(tiny_model("gpt2"), PROMPT)
+
+
+def test_appendix_e_stable_needs_the_fixed_preconditioner():
+    from ctxpatch_lite.appendix import appendix_e_stable
+    r = appendix_e_stable(tiny_model("gemma3"), PROMPT, layer=0)
+    assert r["down_telescoping_error"] < 1e-12 and r["dm_fixed_error"] < 1e-12 and r["block_error"] < 1e-12
+    assert r["dm_moving_error"] > 1e-3                                # element-wise division does not telescope
+    assert 0 < r["r0_norm"] < 1e-4                                   # eps in the norm: r_0 is tiny, not zero
