@@ -45,38 +45,34 @@ class GemmaLayerParts:
 
 
 class GemmaAdapter:
-    """Where Algorithm 1 finds v, z, the MLP hidden and the output-controllable scale in Gemma 2/3 layers.
+    """The Gemma 2/3 instance of the controllability framework, for this fast engine.
 
-    Output controllability comes from the post-feedforward RMSNorm scale ``m = 1 + weight``.
+    The parts are located by ``controllability.BlockAdapter`` from the ``gemma2``/``gemma3`` family entries: v is the
+    input of ``pre_feedforward_layernorm``, the input controllers are ``gate_proj``/``up_proj``, and the output
+    controller is the post-feedforward RMSNorm scale ``m = 1 + weight``. Other families run through
+    ``architectures.run_algorithm1`` (the same patches, materialized by the generic ``ControlledPass``).
     """
 
-    scale_offset = 1.0
     supported = ("gemma3_text", "gemma3", "gemma2")
 
     def __init__(self, model):
+        from .controllability import BlockAdapter
+
         self.model = model
         mtype = getattr(model.config, "model_type", None)
-        base = getattr(model, "model", None)
-        layers = getattr(base, "layers", None)
-        if layers is None and base is not None and hasattr(base, "language_model"):
-            layers = getattr(base.language_model, "layers", None)
-        if mtype not in self.supported or layers is None:
+        if mtype not in self.supported:
             raise UnsupportedArchitectureError(
                 f"model_type {mtype!r} ({type(model).__name__}) has no adapter in ctxpatch_lite's Gemma engine: it "
                 f"needs Gemma 2/3 decoder layers with an MLP (gate_proj, up_proj, down_proj) followed by a "
                 f"post_feedforward_layernorm whose trainable scale is the output-controllable parameter. "
-                f"Supported model types: {', '.join(self.supported)}")
-        self.layers = layers
-        self.parts = []
-        for i, layer in enumerate(layers):
-            missing = [n for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "mlp")
-                       if not hasattr(layer, n)]
-            if missing:
-                raise UnsupportedArchitectureError(f"layer {i} of {type(model).__name__} lacks {', '.join(missing)}; "
-                                                   f"no output-controllable post-norm scale to patch")
-            self.parts.append(GemmaLayerParts(layer, layer.pre_feedforward_layernorm, layer.mlp.gate_proj,
-                                              layer.mlp.up_proj, layer.mlp.down_proj,
-                                              layer.post_feedforward_layernorm))
+                f"Supported model types: {', '.join(self.supported)}. Other families (Llama, Mistral, Qwen, MoE, "
+                f"GPT-2, Falcon, GPT-J, OLMo 2) run through ctxpatch_lite.architectures.run_algorithm1")
+        blocks = BlockAdapter(model)
+        self.family = blocks.family
+        self.scale_offset = blocks.family.scale_offset
+        self.layers = [P.layer for P in blocks.parts]
+        self.parts = [GemmaLayerParts(P.layer, P.v_site, dict(P.inputs)["gate_proj"], dict(P.inputs)["up_proj"],
+                                      P.mlp.down_proj, P.output) for P in blocks.parts]
         self.dtype = next(model.parameters()).dtype
         self.norm_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         self.eps = float(self.parts[0].post_ff.eps)
