@@ -145,7 +145,7 @@ def appendix_e_stable(model, prompt_ids: list, layer: int = 0) -> dict:
         raise ValueError(f"appendix_e_stable needs a post-norm-scale block (Gemma 2/3); {ad.family.key} has "
                          f"{P.output_kind}")
     act = P.mlp.act_fn
-    zC, z0, v0 = T[-1].z.double(), T[0].z.double(), T[0].v.double()
+    zC, v0 = T[-1].z.double(), T[0].v.double()
     mlp = P.mlp
     Wd = mlp.down_proj.weight.double()
     h_g = act(mlp.gate_proj.weight.double() @ zC) * (mlp.up_proj.weight.double() @ zC)  # hidden after input patches

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .controllability import FAMILIES, BlockAdapter, BlockRecorder, ControlledPass, is_moe
+from .controllability import FAMILIES, BlockAdapter, BlockRecorder, ControlledPass
 from .engine import float64_norms, rmsnorm_offset
 from .models import resolve_dtype
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .engine import UnsupportedArchitectureError, rmsnorm_eps
+from .engine import HookScope, UnsupportedArchitectureError, rmsnorm_eps
 from .patches import PatchError, Rank1, default_patch_dtype, input_patch, safe_divide
 
 OUTPUT_KINDS = ("matrix", "bias", "scale")
@@ -207,7 +207,7 @@ class BlockPatch:
     diagnostics: dict = field(default_factory=dict)  # z_norm, dv_norm, min_abs_h, fallbacks, S, routing_match
 
 
-class BlockRecorder:
+class BlockRecorder(HookScope):
     """Hooks that record ``BlockTargets`` at the last position of a full-context forward."""
 
     def __init__(self, adapter: BlockAdapter):
@@ -220,12 +220,6 @@ class BlockRecorder:
             self._handles.append(P.mlp.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("z", _last(a[0]))))
             self._handles.append(P.layer.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("out", _last(o))))
         return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        return False
 
     def targets(self) -> list[BlockTargets]:
         return [BlockTargets(v=self.store[l]["v"], z=self.store[l]["z"], out=self.store[l]["out"])

@@ -360,7 +360,17 @@ class PatchHooks:
             self._handles.append(P.post_ff.register_forward_hook(post_norm))
 
 
-class TargetRecorder:
+class HookScope:
+    """Base of the recorders: hooks registered in ``__enter__`` into ``self._handles``, all removed on exit."""
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+
+class TargetRecorder(HookScope):
     """Hooks that record ``LayerTargets`` in a full-context forward of one sequence.
 
     ``positions=None``: the last position, as 1-D vectors. A list of positions: (N, d) rows at those positions
@@ -391,12 +401,6 @@ class TargetRecorder:
             reg(P.down.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("h_gated", last(a[0]))))
             reg(P.down.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("h_down", last(o))))
         return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        return False
 
     def targets(self) -> list[LayerTargets]:
         return [LayerTargets(**self.store[l]) for l in range(self.ad.n_layers)]

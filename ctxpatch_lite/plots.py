@@ -222,3 +222,58 @@ def start_layer_sweep(rows: list[dict]):
     fig.suptitle("Start-layer sweep: layers below the start run on the query alone, unpatched", fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def family_errors(rows_by_dtype: dict):
+    """Section 5 table as a figure: per family, the largest relative block error of Algorithm 1, one bar per dtype.
+
+    ``rows_by_dtype``: dtype name -> list of ``FamilyRow`` dicts (``verify_architectures --json`` rows).
+    """
+    dtypes = list(rows_by_dtype)
+    fams = [r["family"] for r in rows_by_dtype[dtypes[0]]]
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    width = 0.8 / len(dtypes)
+    for i, dt in enumerate(dtypes):
+        errs = {r["family"]: r["max_block_rel_error"] for r in rows_by_dtype[dt]}
+        ax.bar(np.arange(len(fams)) + i * width, _positive(errs[f] for f in fams), width, label=dt,
+               color=_color(f"{dt}-naive", i))
+    ax.axhline(1e-10, color="k", lw=0.8, ls="--", label="float64 target 1e-10")
+    ax.set_yscale("log")
+    ax.set_xticks(np.arange(len(fams)) + 0.4 - width / 2, fams, rotation=35, ha="right")
+    ax.set_ylabel("max relative block error")
+    ax.set_title("Algorithm 1 on every family (tiny seeded models)")
+    ax.legend(fontsize=8, ncol=len(dtypes) + 1)
+    fig.tight_layout()
+    return fig
+
+
+def appendix_d_search(result: dict):
+    """Appendix D: the best residual an unconstrained upstream search reaches, against the lower bound."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    hist = np.minimum.accumulate(np.asarray(result["history"]))
+    ax.plot(hist, label="best residual ||out' - out_C|| so far", color="#1f77b4")
+    ax.axhline(result["lower_bound_on_residual"], color="#d62728", ls="--",
+               label="lower bound ||dv|| - 2 sqrt(d) ||m||_inf")
+    ax.axhline(max(result["trainable_scale_residual"], 1e-3), color="#2ca02c", ls=":",
+               label=f"trainable scale patch: {result['trainable_scale_residual']:.0e}")
+    ax.set_xlabel("Adam step over W_gate, W_up, W_down")
+    ax.set_ylabel("residual")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Appendix D: no upstream patch absorbs a large dv")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def appendix_e_steps(result: dict):
+    """Appendix E, case 1: the norm of each per-token gradient step (they sum to the one-shot patch)."""
+    ks = [s["k"] for s in result["steps"]]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.bar(np.asarray(ks) - 0.2, [s["gate_step_norm"] for s in result["steps"]], 0.4, label="W_gate step")
+    ax.bar(np.asarray(ks) + 0.2, [s["down_step_norm"] for s in result["steps"]], 0.4, label="W_down step")
+    ax.set_xlabel("context tokens absorbed (k)")
+    ax.set_ylabel("||step||_F")
+    ax.set_title(f"Appendix E: one unit trace step per context token ({result['family']}, layer {result['layer']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

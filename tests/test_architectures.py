@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from ctxpatch_lite.architectures import VOCAB, algorithm1_step, run_algorithm1, tiny_model, verify_family
+from ctxpatch_lite.architectures import algorithm1_step, run_algorithm1, tiny_model, verify_family
 from ctxpatch_lite.controllability import (FAMILIES, BlockAdapter, BlockRecorder, ControlledPass,
                                            UnsupportedArchitectureError, family_of)
 from ctxpatch_lite.engine import float64_norms
