@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .patches import Rank1
 from .engine import GemmaAdapter, LayerSpec, PatchHooks, TargetRecorder, float64_norms
 
 
@@ -22,8 +23,8 @@ class SingleBlockResult:
     z: torch.Tensor
     z_C: torch.Tensor
     h: torch.Tensor               # N(W_down h_g) after the input patches: what dm divides by
-    dW_gate: torch.Tensor
-    dW_up: torch.Tensor
+    gate: Rank1                   # dW_gate by its factors (dense on demand: .dW_gate)
+    up: Rank1
     dm: torch.Tensor
     out_target: torch.Tensor      # T(C, x): full-context output at the query position
     out_patched: torch.Tensor     # patched layer, no context
@@ -33,6 +34,14 @@ class SingleBlockResult:
     singular_values: dict         # name -> leading singular values of the dense patch (rank 1: one nonzero)
     fallbacks: int
     min_abs_h: float
+
+    @property
+    def dW_gate(self) -> torch.Tensor:
+        return self.gate.dense()
+
+    @property
+    def dW_up(self) -> torch.Tensor:
+        return self.up.dense()
 
 
 def _rel(a, b):
@@ -86,8 +95,7 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
         sv[name] = torch.linalg.svdvals(r1.dense().to(torch.float64))[:4].tolist()
     out_t, out_p, out_u = T.out, rec1.outputs[layer], rec0.outputs[layer]
     return SingleBlockResult(
-        layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"], dW_gate=p.gate.dense(),
-        dW_up=p.up.dense(), dm=p.dm, out_target=out_t, out_patched=out_p, out_unpatched=out_u,
+        layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"], gate=p.gate, up=p.up, dm=p.dm, out_target=out_t, out_patched=out_p, out_unpatched=out_u,
         rel_error=_rel(out_p, out_t), unpatched_rel_error=_rel(out_u, out_t), singular_values=sv,
         fallbacks=p.diagnostics.fallbacks, min_abs_h=p.diagnostics.min_abs_h)
 

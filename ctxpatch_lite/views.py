@@ -69,8 +69,9 @@ class Algorithm1View:
         if self._key != (name, dtype):
             self._key, self._model = None, None
             gc.collect()
-            model, tok = load_model(name, dtype=dtype, progress=False)
-            self._tokenizers.setdefault(name, tok)
+            model, tok = load_model(name, dtype=dtype, progress=False, tokenizer=name not in self._tokenizers)
+            if tok is not None:
+                self._tokenizers[name] = tok
             self._key, self._model = (name, dtype), model
         return self._model, self._tokenizers[name]
 
