@@ -117,6 +117,25 @@ def algorithm1_step(model, adapter: BlockAdapter, seq: list, start_layer: int = 
 
 
 @torch.no_grad()
+def single_block_errors(model, seq: list, pdtype=None) -> list[float]:
+    """Theorem 1 block by block: layer l alone is patched and fed the full-context input ``x_C`` at the query;
+    returns, per layer, max |patched output - full-context output| / max |full-context output|."""
+    adapter = BlockAdapter(model)
+    dev = next(model.parameters()).device
+    ids = torch.tensor([list(seq)], device=dev)
+    with float64_norms(model), BlockRecorder(adapter) as rec:
+        model(input_ids=ids, use_cache=False)
+    targets = rec.targets()
+    q, pos = ids[:, -1:], torch.tensor([[len(seq) - 1]], device=dev)
+    errors = []
+    for l in range(adapter.n_layers):
+        with float64_norms(model), ControlledPass(adapter, {l: targets[l]}, pdtype, single_block=True) as cp:
+            model(input_ids=q, position_ids=pos, use_cache=False)
+        errors.append(_rel(cp.outputs[l], targets[l].out))
+    return errors
+
+
+@torch.no_grad()
 def run_algorithm1(model, prompt_ids, n_tokens: int = 8, start_layer: int = 0, pdtype=None, progress=False) -> dict:
     """The paper's protocol on any supported family: greedy baseline with context; the patched model sees only the
     current token; both continue on the baseline's token. Returns per-step records and their summary."""
@@ -156,6 +175,7 @@ class FamilyRow:
     input_patch: str
     output_patch: str
     dtype: str
+    single_block_rel_error: float
     max_block_rel_error: float
     token_match: str
     linf_median: float
@@ -189,12 +209,13 @@ def describe_parts(adapter: BlockAdapter) -> tuple[str, str, str]:
     return block, "; ".join(ins), "; ".join(outs)
 
 
-def _row(model, family_key: str, res: dict, dtype: str, weights: str) -> FamilyRow:
+def _row(model, family_key: str, res: dict, dtype: str, weights: str, prompt) -> FamilyRow:
     adapter = BlockAdapter(model)
     block, ins, outs = describe_parts(adapter)
     moe = any(p.output_kind == "moe" for p in adapter.parts)
     routing = f"{res['routing_matches']}/{res['tokens']}, min S {res['min_S']:.3f}" if moe else "-"
-    return FamilyRow(family_key, type(model).__name__, block, ins, outs, dtype, res["max_block_error"],
+    single = max(single_block_errors(model, prompt))
+    return FamilyRow(family_key, type(model).__name__, block, ins, outs, dtype, single, res["max_block_error"],
                      f"{res['matches']}/{res['tokens']}", res["linf_median"], res["linf_last"], res["fallbacks"],
                      f"{res['none_matches']}/{res['tokens']}", res["none_linf_median"], routing, weights)
 
@@ -206,7 +227,7 @@ def verify_family(family: str, dtype="float64", n_tokens: int = 8, seed: int = 0
     gen = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist()
     res = run_algorithm1(model, prompt, n_tokens=n_tokens, progress=progress)
-    return _row(model, family, res, dtype, "random (seeded)")
+    return _row(model, family, res, dtype, "random (seeded)", prompt)
 
 
 def verify_embedded(dtype="float32", n_tokens: int = 4, prompt: str = "The capital of France is",
@@ -218,4 +239,4 @@ def verify_embedded(dtype="float32", n_tokens: int = 4, prompt: str = "The capit
     model, tokenizer = load_model(dtype=dtype, device="cpu")
     ids = encode_prompt(tokenizer, prompt)
     res = run_algorithm1(model, ids, n_tokens=n_tokens, progress=progress)
-    return _row(model, "gemma3", res, dtype, "real: embedded Gemma 3 270M")
+    return _row(model, "gemma3", res, dtype, "real: embedded Gemma 3 270M", ids)

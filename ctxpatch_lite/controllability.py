@@ -194,6 +194,7 @@ class BlockTargets:
     v: torch.Tensor        # v_C (parallel blocks: x_C + attn_C)
     z: torch.Tensor        # z_C, the MLP input
     out: torch.Tensor      # the layer's output
+    x: torch.Tensor | None = None   # the layer's input (for the single-block check)
 
 
 @dataclass
@@ -219,11 +220,13 @@ class BlockRecorder(HookScope):
             _install_site_hooks(P, s, self._handles.append)
             self._handles.append(P.mlp.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("z", _last(a[0]))))
             self._handles.append(P.layer.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("out", _last(o))))
+            self._handles.append(P.layer.register_forward_pre_hook(
+                lambda m, a, k, s=s: s.__setitem__("x_in", _last(_hidden_arg(a, k))), with_kwargs=True))
         return self
 
     def targets(self) -> list[BlockTargets]:
-        return [BlockTargets(v=self.store[l]["v"], z=self.store[l]["z"], out=self.store[l]["out"])
-                for l in range(self.ad.n_layers)]
+        return [BlockTargets(v=self.store[l]["v"], z=self.store[l]["z"], out=self.store[l]["out"],
+                             x=self.store[l]["x_in"]) for l in range(self.ad.n_layers)]
 
 
 def _install_site_hooks(P: LayerParts, st: dict, reg):
@@ -240,8 +243,11 @@ def _install_site_hooks(P: LayerParts, st: dict, reg):
 class ControlledPass:
     """Context manager around one no-context forward of the query token: patch layers ``targets`` covers."""
 
-    def __init__(self, adapter: BlockAdapter, targets: dict, pdtype: torch.dtype | None = None):
-        self.ad, self.targets = adapter, targets
+    def __init__(self, adapter: BlockAdapter, targets: dict, pdtype: torch.dtype | None = None,
+                 single_block: bool = False):
+        """``single_block=True``: every patched layer is fed the recorded full-context input ``x_C`` at the query
+        (Theorem 1 for that block alone: same block input, context removed), instead of the layer below's output."""
+        self.ad, self.targets, self.single_block = adapter, targets, single_block
         self.pd = pdtype or default_patch_dtype(adapter.dtype)
         self.patches: dict[int, BlockPatch] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -280,6 +286,14 @@ class ControlledPass:
         P, pd, reg = self.ad.parts[l], self.pd, self._handles.append
         st = {}
         patch = self.patches[l] = BlockPatch(layer=l, kind=P.output_kind)
+        if self.single_block:
+            def feed_recorded_input(mod, args, kwargs):
+                x = _hidden_arg(args, kwargs)
+                x_C = T.x.to(x.dtype).reshape(x.shape).contiguous()
+                if args:
+                    return (x_C,) + tuple(args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": x_C}
+            reg(P.layer.register_forward_pre_hook(feed_recorded_input, with_kwargs=True))
         _install_site_hooks(P, st, reg)
 
         def at_mlp_input(mod, args):

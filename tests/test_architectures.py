@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from ctxpatch_lite.architectures import algorithm1_step, run_algorithm1, tiny_model, verify_family
+from ctxpatch_lite.architectures import (algorithm1_step, run_algorithm1, single_block_errors, tiny_model,
+                                         verify_family)
 from ctxpatch_lite.controllability import (FAMILIES, BlockAdapter, BlockRecorder, ControlledPass,
                                            UnsupportedArchitectureError, family_of)
 from ctxpatch_lite.engine import float64_norms
@@ -25,6 +26,8 @@ def test_float64_algorithm1_is_exact_and_restores_weights(family):
     assert res["linf_max"] <= 1e-10
     assert res["none_linf_median"] > 1e-3          # the context matters: the unpatched control is far off
     assert res["fallbacks"] == 0
+    single = single_block_errors(model, PROMPT)
+    assert len(single) == model.config.num_hidden_layers and max(single) <= 1e-10
     assert_bit_identical(model, snap)
 
 
