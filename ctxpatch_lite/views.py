@@ -59,7 +59,9 @@ class Algorithm1View:
     model name.
     """
 
-    def __init__(self, progress: bool = True):
+    def __init__(self, progress: bool = False):
+        """``progress=False`` by default: a render takes seconds (batched path), and the progress widgets tqdm.auto
+        closes when done leave dead widget views in saved notebooks and in Voila ("widget model not found")."""
         self._key, self._model, self._tokenizers = None, None, {}
         self.progress = progress
 

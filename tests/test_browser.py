@@ -5,6 +5,7 @@ start-layer slider, and read the redrawn plot and the printed metrics. Screensho
 test-artifacts/browser/ (git-ignored). Every process this test starts is stopped by its id, also on failure.
 Skipped (with the reason) only where Chromium or Playwright is missing; .ci/run installs both.
 """
+import contextlib
 import json
 import os
 import re
@@ -57,36 +58,31 @@ def _small_copy(workdir: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
+def _browser_prereqs():
     if not Path(CHROMIUM).exists():
         pytest.skip("Debian's chromium is not installed (apt-get install chromium); .ci/run installs it")
     pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra) is missing")
-    work = tmp_path / "lab"
-    work.mkdir()
-    _small_copy(work)
-    port, token = _free_port(), secrets.token_hex(16)
+
+
+@contextlib.contextmanager
+def _serve(cmd, work: Path, tmp_path: Path, ready: str, name: str):
+    """Start a server in its own process group, wait until ``ready`` answers, yield; stop the group on exit."""
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
                CTXPATCH_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--ServerApp.port={port}",
-           "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
-           f"--LabApp.user_settings_dir={tmp_path / 'settings'}", f"--LabApp.workspaces_dir={tmp_path / 'ws'}",
-           "--ServerApp.port_retries=0", "--LabApp.news_url=", "--LabApp.check_for_updates_class="
-           "jupyterlab.NeverCheckForUpdate"]
-    log = open(tmp_path / "jupyterlab.log", "w")
+    log_path = tmp_path / f"{name}.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
         while True:
             try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                urllib.request.urlopen(ready, timeout=2)
                 break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start: {(tmp_path / 'jupyterlab.log').read_text()[-2000:]}")
+                    raise RuntimeError(f"{name} did not start: {log_path.read_text()[-2000:]}")
                 time.sleep(0.5)
-        yield {"url": url, "token": token, "log": tmp_path / "jupyterlab.log"}
+        yield log_path
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # the server and the kernels it started
@@ -98,7 +94,39 @@ def jupyterlab(tmp_path):
                 pass
         log.close()
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        shutil.copy(tmp_path / "jupyterlab.log", ARTIFACTS / "jupyterlab.log")
+        shutil.copy(log_path, ARTIFACTS / f"{name}.log")
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    _browser_prereqs()
+    work = tmp_path / "lab"
+    work.mkdir()
+    _small_copy(work)
+    port, token = _free_port(), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--ServerApp.port={port}",
+           "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
+           f"--LabApp.user_settings_dir={tmp_path / 'settings'}", f"--LabApp.workspaces_dir={tmp_path / 'ws'}",
+           "--ServerApp.port_retries=0", "--LabApp.news_url=", "--LabApp.check_for_updates_class="
+           "jupyterlab.NeverCheckForUpdate"]
+    with _serve(cmd, work, tmp_path, f"{url}/api/status?token={token}", "jupyterlab") as log:
+        yield {"url": url, "token": token, "log": log}
+
+
+@pytest.fixture
+def voila_app(tmp_path):
+    _browser_prereqs()
+    pytest.importorskip("voila", reason="pip install voila (the test extra) is missing")
+    work = tmp_path / "voila"
+    work.mkdir()
+    nb = _small_copy(work)
+    port, token = _free_port(), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "voila", str(nb), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
+           f"--token={token}", "--VoilaConfiguration.show_tracebacks=True", "--Voila.port_retries=0"]
+    with _serve(cmd, work, tmp_path, f"{url}/voila/static/voila.js", "voila") as log:
+        yield {"url": url, "token": token, "log": log}
 
 
 def _panel_state(page):
@@ -138,6 +166,35 @@ def _wait_idle(page, timeout_s):
     raise AssertionError(f"kernel still busy after {timeout_s} s")
 
 
+def _drive_widgets(page, prefix: str):
+    """Set precision to bfloat16, then the start-layer slider to 17; assert the plot and the metrics follow."""
+    before = _panel_state(page)
+    precision = page.locator(".widget-dropdown:has(label:text-is('precision')) select")
+    precision.select_option("bfloat16")
+    page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
+                           ".some(e => e.innerText.includes('done: bfloat16'))", timeout=300_000)
+    after_precision = _panel_state(page)
+    page.locator(".widget-dropdown:has(label:text-is('precision'))").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / f"{prefix}02_after_precision_bfloat16.png"))
+    assert after_precision["img"] and after_precision["img"] != before["img"], "the plot was not redrawn"
+    assert "token match" in after_precision["text"] and after_precision["text"] != before["text"]
+    linf = [float(x) for x in re.findall(r"median L_inf ([0-9.e+-]+)", after_precision["text"])]
+    assert linf and linf[0] > 1e-3, "bfloat16 distances should be far above float32 rounding"
+
+    readout = page.locator(".widget-slider:has(label:text-is('start layer')) .widget-readout")
+    readout.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("17")
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
+                           ".some(e => e.innerText.includes('start layer 17'))", timeout=300_000)
+    after_slider = _panel_state(page)
+    page.screenshot(path=str(ARTIFACTS / f"{prefix}03_after_start_layer_17.png"))
+    assert after_slider["img"] != after_precision["img"], "the plot was not redrawn after the slider"
+    assert after_slider["text"] != after_precision["text"]
+    assert page.locator("[data-mime-type='application/vnd.jupyter.error']").count() == 0
+
+
 def test_widgets_in_real_browser(jupyterlab):
     from playwright.sync_api import sync_playwright
 
@@ -168,36 +225,44 @@ def test_widgets_in_real_browser(jupyterlab):
             errors = page.locator("[data-mime-type='application/vnd.jupyter.error']").count()
             assert errors == 0, "a cell raised an error"
 
-            before = _panel_state(page)
-            precision = page.locator(".widget-dropdown:has(label:text-is('precision')) select")
-            precision.select_option("bfloat16")
-            page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
-                                   ".some(e => e.innerText.includes('done: bfloat16'))", timeout=300_000)
-            after_precision = _panel_state(page)
-            page.locator(".widget-dropdown:has(label:text-is('precision'))").scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / "02_after_precision_bfloat16.png"))
-            assert after_precision["img"] and after_precision["img"] != before["img"], "the plot was not redrawn"
-            assert "token match" in after_precision["text"] and after_precision["text"] != before["text"]
-            linf = [float(x) for x in re.findall(r"median L_inf ([0-9.e+-]+)", after_precision["text"])]
-            assert linf and linf[0] > 1e-3, "bfloat16 distances should be far above float32 rounding"
-
-            readout = page.locator(".widget-slider:has(label:text-is('start layer')) .widget-readout")
-            readout.click()
-            page.keyboard.press("Control+A")
-            page.keyboard.type("17")
-            page.keyboard.press("Enter")
-            page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
-                                   ".some(e => e.innerText.includes('start layer 17'))", timeout=300_000)
-            after_slider = _panel_state(page)
-            page.screenshot(path=str(ARTIFACTS / "03_after_start_layer_17.png"))
-            assert after_slider["img"] != after_precision["img"], "the plot was not redrawn after the slider"
-            assert after_slider["text"] != after_precision["text"]
-            assert page.locator("[data-mime-type='application/vnd.jupyter.error']").count() == 0
+            _drive_widgets(page, "")
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
             raise
         finally:
             (ARTIFACTS / "console.json").write_text(json.dumps(console, indent=1))
+            browser.close()
+    ours = [m for m in console if m["type"] in ("error", "pageerror") and
+            re.search(r"widget|ctxpatch|jupyter-widgets|Could not create|Failed to load model", m["text"], re.I)]
+    assert not ours, f"browser console errors from our widgets: {ours}"
+
+
+def test_voila_app_in_real_browser(voila_app):
+    """The README's Voila command: 03_algorithm1 as an app (code hidden); the same widget interaction."""
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    console = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("console", lambda m: console.append({"type": m.type, "text": m.text}))
+            page.on("pageerror", lambda e: console.append({"type": "pageerror", "text": str(e)}))
+            page.goto(f"{voila_app['url']}/?token={voila_app['token']}", timeout=300_000)
+            page.wait_for_selector(".widget-dropdown select", timeout=300_000)
+            page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
+                                   ".some(e => e.innerText.includes('change a control'))", timeout=300_000)
+            page.screenshot(path=str(ARTIFACTS / "voila_01_loaded.png"))
+            text = page.evaluate("() => document.body.innerText")
+            assert "token match" in text and "Traceback" not in text
+            assert page.locator("pre:has-text('import torch')").count() == 0, "Voila shows outputs, not code"
+            _drive_widgets(page, "voila_")
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "voila_failure.png"), full_page=True)
+            raise
+        finally:
+            (ARTIFACTS / "voila_console.json").write_text(json.dumps(console, indent=1))
             browser.close()
     ours = [m for m in console if m["type"] in ("error", "pageerror") and
             re.search(r"widget|ctxpatch|jupyter-widgets|Could not create|Failed to load model", m["text"], re.I)]
