@@ -195,75 +195,65 @@ def _drive_widgets(page, prefix: str):
     assert page.locator("[data-mime-type='application/vnd.jupyter.error']").count() == 0
 
 
-def test_widgets_in_real_browser(jupyterlab):
+@contextlib.contextmanager
+def _browser_page(prefix: str):
+    """A Chromium page with its console captured; on failure a full-page screenshot; on exit the console is saved
+    and checked for errors from our widgets."""
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     console = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("console", lambda m: console.append({"type": m.type, "text": m.text}))
+        page.on("pageerror", lambda e: console.append({"type": "pageerror", "text": str(e)}))
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("console", lambda m: console.append({"type": m.type, "text": m.text}))
-            page.on("pageerror", lambda e: console.append({"type": "pageerror", "text": str(e)}))
-            page.goto(f"{jupyterlab['url']}/lab/tree/03_algorithm1.ipynb?token={jupyterlab['token']}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-StatusBar-Widget", timeout=60_000)
-            time.sleep(3)
-            _dismiss_dialogs(page)
-            _wait_idle(page, 120)
-            page.click("li.lm-MenuBar-item:has-text('Run')")
-            page.click("li.lm-Menu-item:has-text('Run All Cells')")
-            time.sleep(2)
-            _dismiss_dialogs(page)
-            page.wait_for_selector(".widget-dropdown select", timeout=int(os.environ.get("CTXPATCH_BROWSER_TIMEOUT", "300")) * 1000)
-            _wait_idle(page, 300)
-            page.screenshot(path=str(ARTIFACTS / "01_after_run_all.png"), full_page=False)
-
-            static = page.evaluate("() => document.body.innerText")
-            assert "token match" in static and "median L_inf" in static, "the static render printed its metrics"
-            errors = page.locator("[data-mime-type='application/vnd.jupyter.error']").count()
-            assert errors == 0, "a cell raised an error"
-
-            _drive_widgets(page, "")
+            yield page
         except Exception:
-            page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+            page.screenshot(path=str(ARTIFACTS / f"{prefix}failure.png"), full_page=True)
             raise
         finally:
-            (ARTIFACTS / "console.json").write_text(json.dumps(console, indent=1))
+            (ARTIFACTS / f"{prefix}console.json").write_text(json.dumps(console, indent=1))
             browser.close()
     ours = [m for m in console if m["type"] in ("error", "pageerror") and
             re.search(r"widget|ctxpatch|jupyter-widgets|Could not create|Failed to load model", m["text"], re.I)]
     assert not ours, f"browser console errors from our widgets: {ours}"
+
+
+def test_widgets_in_real_browser(jupyterlab):
+    with _browser_page("") as page:
+        page.goto(f"{jupyterlab['url']}/lab/tree/03_algorithm1.ipynb?token={jupyterlab['token']}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-StatusBar-Widget", timeout=60_000)
+        time.sleep(3)
+        _dismiss_dialogs(page)
+        _wait_idle(page, 120)
+        page.click("li.lm-MenuBar-item:has-text('Run')")
+        page.click("li.lm-Menu-item:has-text('Run All Cells')")
+        time.sleep(2)
+        _dismiss_dialogs(page)
+        page.wait_for_selector(".widget-dropdown select",
+                               timeout=int(os.environ.get("CTXPATCH_BROWSER_TIMEOUT", "300")) * 1000)
+        _wait_idle(page, 300)
+        page.screenshot(path=str(ARTIFACTS / "01_after_run_all.png"), full_page=False)
+
+        static = page.evaluate("() => document.body.innerText")
+        assert "token match" in static and "median L_inf" in static, "the static render printed its metrics"
+        errors = page.locator("[data-mime-type='application/vnd.jupyter.error']").count()
+        assert errors == 0, "a cell raised an error"
+        _drive_widgets(page, "")
 
 
 def test_voila_app_in_real_browser(voila_app):
     """The README's Voila command: 03_algorithm1 as an app (code hidden); the same widget interaction."""
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    console = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROME_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("console", lambda m: console.append({"type": m.type, "text": m.text}))
-            page.on("pageerror", lambda e: console.append({"type": "pageerror", "text": str(e)}))
-            page.goto(f"{voila_app['url']}/?token={voila_app['token']}", timeout=300_000)
-            page.wait_for_selector(".widget-dropdown select", timeout=300_000)
-            page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
-                                   ".some(e => e.innerText.includes('change a control'))", timeout=300_000)
-            page.screenshot(path=str(ARTIFACTS / "voila_01_loaded.png"))
-            text = page.evaluate("() => document.body.innerText")
-            assert "token match" in text and "Traceback" not in text
-            assert page.locator("pre:has-text('import torch')").count() == 0, "Voila shows outputs, not code"
-            _drive_widgets(page, "voila_")
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / "voila_failure.png"), full_page=True)
-            raise
-        finally:
-            (ARTIFACTS / "voila_console.json").write_text(json.dumps(console, indent=1))
-            browser.close()
-    ours = [m for m in console if m["type"] in ("error", "pageerror") and
-            re.search(r"widget|ctxpatch|jupyter-widgets|Could not create|Failed to load model", m["text"], re.I)]
-    assert not ours, f"browser console errors from our widgets: {ours}"
+    with _browser_page("voila_") as page:
+        page.goto(f"{voila_app['url']}/?token={voila_app['token']}", timeout=300_000)
+        page.wait_for_selector(".widget-dropdown select", timeout=300_000)
+        page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
+                               ".some(e => e.innerText.includes('change a control'))", timeout=300_000)
+        page.screenshot(path=str(ARTIFACTS / "voila_01_loaded.png"))
+        text = page.evaluate("() => document.body.innerText")
+        assert "token match" in text and "Traceback" not in text
+        assert page.locator("pre:has-text('import torch')").count() == 0, "Voila shows outputs, not code"
+        _drive_widgets(page, "voila_")
