@@ -44,7 +44,7 @@ def _config_makers():
         "qwen3_moe": _llama_like("Qwen3MoeConfig", num_experts=4, norm_topk_prob=False, **moe),
         "olmo2": _llama_like("Olmo2Config"),
         "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=256,
-                                      n_inner=INTER),
+                                      n_inner=INTER, bos_token_id=1, eos_token_id=2),
         "falcon-parallel": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
                                                    num_attention_heads=HEADS, parallel_attn=True, alibi=False,
                                                    new_decoder_architecture=False, bias=False),
@@ -52,7 +52,7 @@ def _config_makers():
                                                      num_attention_heads=HEADS, parallel_attn=False, alibi=False,
                                                      new_decoder_architecture=False, bias=True),
         "gptj": lambda: tf.GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=8,
-                                      n_positions=256, n_inner=INTER),
+                                      n_positions=256, n_inner=INTER, bos_token_id=1, eos_token_id=2),
     }
 
 

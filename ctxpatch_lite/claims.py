@@ -185,14 +185,41 @@ CLAIMS = [
     Claim("P9", "paper §4.2, Fig. 5", "image context (Gemma-3-4B): 100% float32 token match", (), None,
           "needs Gemma-3-4B and the paper's image; neither is available offline"),
     Claim("P10", "paper App. C.3, Fig. 9", "Falcon-7B: 100% token match in bfloat16 and float32", (), None,
-          "needs Falcon-7B weights (no package registry ships them); see the architecture issue for random-weight checks"),
+          "needs Falcon-7B weights (no package registry ships them); Falcon's parallel and sequential blocks pass on "
+          "random weights (S5)"),
     Claim("P11", "paper App. C.5", "the scaling variant keeps Δm free of extreme values", (), None,
           "the scaling variant's construction is not described in any source we could read; not implemented"),
 ]
 
 
-def ledger(reference_dir: str | Path) -> list[dict]:
-    """One row per claim: statement, source, measured figure, tokens, dtype, hardware, verdict."""
+def architectures_row(architectures_dir: str | Path) -> dict:
+    """Claim S5 (paper Section 5, Table 1), judged on ``verify_architectures --json`` output (float64 and float32)."""
+    row = {"id": "S5", "source": "paper §5, Table 1",
+           "claim": "the construction is exact for Gemma, Llama, Falcon, Mistral/Mixtral, Qwen, GPT-2 and GPT-J blocks "
+                    "(the paper ran only Gemma and Falcon)", "runs": []}
+    files = {dt: Path(architectures_dir) / f"{dt}.json" for dt in ("float64", "float32")}
+    if not all(f.is_file() for f in files.values()):
+        return {**row, "measured": "—", "tokens": 0, "dtype": "—", "hardware": "—", "verdict": NOT_RUNNABLE,
+                "note": f"no verify_architectures JSON in {architectures_dir}"}
+    rows = {dt: json.loads(f.read_text())["rows"] for dt, f in files.items()}
+    ok = lambda r: r["token_match"].split("/")[0] == r["token_match"].split("/")[1]  # noqa: E731
+    exact = [r for r in rows["float64"] if ok(r) and max(r["max_block_rel_error"], r["single_block_rel_error"]) <= 1e-10]
+    f32 = [r for r in rows["float32"] if ok(r)]
+    n = len(rows["float64"])
+    worst = max(r["max_block_rel_error"] for r in rows["float64"])
+    tokens = sum(int(r["token_match"].split("/")[1]) for dt in rows for r in rows[dt])
+    return {**row, "runs": [str(f) for f in files.values()],
+            "measured": f"{len(exact)}/{n} families exact in float64 (max block error {worst:.1e}), {len(f32)}/{n} "
+                        f"with every token matching in float32; random weights, 3-layer models of transformers' classes",
+            "tokens": tokens, "dtype": "float64, float32", "hardware": "CPU",
+            "verdict": REPRODUCED if len(exact) == n == len(f32) else CONTRADICTED, "note": ""}
+
+
+def ledger(reference_dir: str | Path, architectures_dir: str | Path | None = None) -> list[dict]:
+    """One row per claim: statement, source, measured figure, tokens, dtype, hardware, verdict.
+
+    ``architectures_dir`` (default: ``architectures/`` next to ``reference_dir``) holds the family check's JSON.
+    """
     recs = load_reference(reference_dir)
     rows = []
     for c in CLAIMS:
@@ -211,6 +238,7 @@ def ledger(reference_dir: str | Path) -> list[dict]:
                                 f"thread(s)), model {used[0]['config'].get('model')}",
                        verdict=verdict, note="")
         rows.append(row)
+    rows.append(architectures_row(architectures_dir or Path(reference_dir).parent / "architectures"))
     return rows
 
 
