@@ -210,3 +210,21 @@ def test_appendix_e_stable_needs_the_fixed_preconditioner():
     assert r["down_telescoping_error"] < 1e-12 and r["dm_fixed_error"] < 1e-12 and r["block_error"] < 1e-12
     assert r["dm_moving_error"] > 1e-3                                # element-wise division does not telescope
     assert 0 < r["r0_norm"] < 1e-4                                   # eps in the norm: r_0 is tiny, not zero
+
+
+def test_falcon_40b_layout_with_two_layernorms():
+    """Falcon's new_decoder_architecture (ln_attn and ln_mlp, Falcon-40B/180B) is a parallel block too."""
+    import transformers as tf
+    cfg = tf.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                          parallel_attn=True, alibi=False, new_decoder_architecture=True, bias=False)
+    torch.manual_seed(0)
+    model = tf.FalconForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if "word_emb" in name else p.shape[-1] ** -0.5) if p.dim() >= 2
+                    else 1 + 0.3 * torch.randn_like(p))
+    model = model.double().eval()
+    assert BlockAdapter(model).family.key == "falcon-parallel"
+    res = run_algorithm1(model, PROMPT, n_tokens=2)
+    assert res["matches"] == 2 and res["max_block_error"] <= 1e-10
+    assert max(single_block_errors(model, PROMPT)) <= 1e-10
