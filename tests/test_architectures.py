@@ -108,8 +108,10 @@ def test_zero_mlp_input_raises_naming_the_layer():
     model = tiny_model("llama")
     with torch.no_grad():
         model.model.layers[1].post_attention_layernorm.weight.zero_()
+    snap = snapshot(model)
     with pytest.raises(PatchError, match="layer 1: the MLP input z is the zero vector"):
         run_algorithm1(model, PROMPT, n_tokens=1)
+    assert_bit_identical(model, snap)          # layer 0's patch was written before the error; it is restored
 
 
 def test_zero_hidden_raises_for_the_output_matrix():
