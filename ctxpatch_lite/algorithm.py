@@ -25,6 +25,7 @@ import torch
 
 from .engine import (APPLY_MODES, H_SOURCES, VARIANTS, GemmaAdapter, LayerSpec, PatchHooks, TargetRecorder,
                      float64_norms)
+from .metrics import relative_error
 from .models import DTYPES, dtype_name
 
 MODES = ("selfcorrect", "ideal", "fixed", "none", "input-only", "vanilla")
@@ -140,8 +141,4 @@ class Algorithm1:
 
 def layer_errors(record, targets) -> list[float]:
     """Per layer: max |patched output - full-context output| / max |full-context output| (the Theorem 1 check)."""
-    errs = []
-    for l, out in sorted(record.outputs.items()):
-        t = targets[l].out.to(torch.float64).reshape(out.shape)
-        errs.append(float((out.to(torch.float64) - t).abs().max() / t.abs().max()))
-    return errs
+    return [relative_error(out, targets[l].out) for l, out in sorted(record.outputs.items())]

@@ -21,12 +21,13 @@ import torch.nn.functional as F
 from tqdm.auto import trange
 
 from .controllability import BlockAdapter, BlockRecorder
-from .engine import float64_norms
+from .engine import float64_norms, unit_rms
+from .metrics import relative_error
 from .stable import invert_rmsnorm
 
 
 def _norm(y: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return unit_rms(y, eps)
 
 
 def appendix_d(d: int = 16, hidden: int = 32, excess: float = 3.0, steps: int = 400, seed: int = 0,
@@ -44,9 +45,12 @@ def appendix_d(d: int = 16, hidden: int = 32, excess: float = 3.0, steps: int = 
          "down": rnd(d, hidden) / math.sqrt(hidden)}
     m = 1.0 + 0.3 * rnd(d)                                   # a fixed (non-trainable) post-norm scale
 
-    def block(v, Wg, Wu, Wd, scale=m):
+    def normalized_mlp(v, Wg, Wu, Wd):                    # h = N(W_down (gelu(W_gate z) * W_up z)), z = N(v)
         z = _norm(v)
-        return v + scale * _norm(F.linear(F.gelu(F.linear(z, Wg)) * F.linear(z, Wu), Wd))
+        return _norm(F.linear(F.gelu(F.linear(z, Wg)) * F.linear(z, Wu), Wd))
+
+    def block(v, Wg, Wu, Wd):
+        return v + m * normalized_mlp(v, Wg, Wu, Wd)
 
     bound = 2.0 * math.sqrt(d) * float(m.abs().max())
     v = rnd(d)
@@ -56,29 +60,27 @@ def appendix_d(d: int = 16, hidden: int = 32, excess: float = 3.0, steps: int = 
     target = block(v_C, W["gate"], W["up"], W["down"])
     params = {k: w.clone().requires_grad_(True) for k, w in W.items()}
     opt = torch.optim.Adam(params.values(), lr=0.05)
-    best, history = float("inf"), []
+    history = []
     for _ in trange(steps, desc="Appendix D search", disable=not progress, leave=False):
         opt.zero_grad()
         loss = (block(v, params["gate"], params["up"], params["down"]) - target).norm()
         loss.backward()
         opt.step()
-        best = min(best, float(loss.detach()))
         history.append(float(loss.detach()))
-    # contrast: with a trainable scale, dm = (v_C - v + m N(y_C) - m N(y)) / N(y) ... the exact Theorem-1 patch
-    # after input patches (here: feed z_C's hidden) is dm = dv / h with h = N(y_C)
+    # contrast: with a trainable scale, Theorem 1's patch (input patches make the MLP see z_C, so its normalised
+    # output is h = N(y_C); then dm = dv / h) reaches the target exactly
     with torch.no_grad():
-        z_C = _norm(v_C)
-        h = _norm(F.linear(F.gelu(F.linear(z_C, W["gate"])) * F.linear(z_C, W["up"]), W["down"]))
+        h = normalized_mlp(v_C, W["gate"], W["up"], W["down"])
         exact = v + (m + dv / h) * h
     return dict(d=d, dv_norm=float(dv.norm()), m_inf=float(m.abs().max()), bound=bound,
-                lower_bound_on_residual=float(dv.norm()) - bound, best_residual=best, initial_residual=history[0],
+                lower_bound_on_residual=float(dv.norm()) - bound, best_residual=min(history), initial_residual=history[0],
                 history=history, steps=steps, trainable_scale_residual=float((exact - target).norm()),
                 min_abs_h=float(h.abs().min()))
 
 
 @torch.no_grad()
-def _growing_contexts(model, prompt_ids: list, layer: int) -> list:
-    """BlockTargets of ``layer`` at the query (last token of ``prompt_ids``) for C_0 = {} ... C_n = all before it."""
+def _growing_contexts(model, prompt_ids: list, layer: int) -> tuple:
+    """(adapter, [BlockTargets of ``layer`` at the query]) for the contexts C_0 = {} ... C_n = all tokens before it."""
     ad = BlockAdapter(model)
     query, ctx = prompt_ids[-1], prompt_ids[:-1]
     records = []
@@ -97,10 +99,6 @@ def unit_trace_step(W: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
         loss = -(D * Wp).sum()               # -Tr(D^T W)
         loss.backward()
     return (Wp - Wp.grad).detach()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def appendix_e_outer(model, prompt_ids: list, layer: int = 0) -> dict:
@@ -132,8 +130,8 @@ def appendix_e_outer(model, prompt_ids: list, layer: int = 0) -> dict:
     out = v0 + F.linear(h, Wd_k)
     target = T[-1].out.double()
     return dict(family=ad.family.key, layer=layer, n_context=len(T) - 1, steps=steps,
-                gate_telescoping_error=_rel(Wg_k - Wg, one_gate), down_telescoping_error=_rel(Wd_k - Wd, one_down),
-                block_error=_rel(out, target))
+                gate_telescoping_error=relative_error(Wg_k - Wg, one_gate),
+                down_telescoping_error=relative_error(Wd_k - Wd, one_down), block_error=relative_error(out, target))
 
 
 def appendix_e_stable(model, prompt_ids: list, layer: int = 0) -> dict:
@@ -144,11 +142,10 @@ def appendix_e_stable(model, prompt_ids: list, layer: int = 0) -> dict:
     if P.output_kind != "scale":
         raise ValueError(f"appendix_e_stable needs a post-norm-scale block (Gemma 2/3); {ad.family.key} has "
                          f"{P.output_kind}")
-    act = P.mlp.act_fn
     zC, v0 = T[-1].z.double(), T[0].v.double()
     mlp = P.mlp
     Wd = mlp.down_proj.weight.double()
-    h_g = act(mlp.gate_proj.weight.double() @ zC) * (mlp.up_proj.weight.double() @ zC)  # hidden after input patches
+    h_g = mlp.act_fn(mlp.gate_proj.weight.double() @ zC) * (mlp.up_proj.weight.double() @ zC)  # hidden after input patches
     h_down = Wd @ h_g
     m = ad.family.scale_offset + P.output.weight.double()
     eps = P.output.eps
@@ -170,6 +167,7 @@ def appendix_e_stable(model, prompt_ids: list, layer: int = 0) -> dict:
     one_dm = rems[-1] / pre
     out = v0 + (m + dm_fixed) * _norm(Wd_k @ h_g, eps)
     return dict(family=ad.family.key, layer=layer, n_context=len(T) - 1,
-                r0_norm=float(rems[0].norm()), h_target0_error=_rel(targets[0], h_down),
-                down_telescoping_error=_rel(Wd_k - Wd, one_down), dm_fixed_error=_rel(dm_fixed, one_dm),
-                dm_moving_error=_rel(dm_moving, one_dm), block_error=_rel(out, T[-1].out.double()))
+                r0_norm=float(rems[0].norm()), h_target0_error=relative_error(targets[0], h_down),
+                down_telescoping_error=relative_error(Wd_k - Wd, one_down),
+                dm_fixed_error=relative_error(dm_fixed, one_dm), dm_moving_error=relative_error(dm_moving, one_dm),
+                block_error=relative_error(out, T[-1].out.double()))

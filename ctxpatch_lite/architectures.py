@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from .controllability import FAMILIES, BlockAdapter, BlockRecorder, ControlledPass
 from .engine import float64_norms, rmsnorm_offset
+from .metrics import relative_error
 from .models import resolve_dtype
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV, HEAD_DIM = 128, 64, 96, 3, 4, 2, 16
@@ -90,9 +91,17 @@ def tiny_model(family: str, seed: int = 0, dtype="float64"):
     return model
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.to(torch.float64), b.to(torch.float64)
-    return float((a - b).abs().max() / b.abs().max())
+
+def _full_context(model, adapter: BlockAdapter, seq: list):
+    """One full-context forward of ``seq`` with the targets recorded at its last token.
+
+    Returns (last logits, [BlockTargets per layer], the query token (1, 1), its position (1, 1)).
+    """
+    dev = next(model.parameters()).device
+    ids = torch.tensor([list(seq)], device=dev)
+    with float64_norms(model), BlockRecorder(adapter) as rec:
+        base = model(input_ids=ids, use_cache=False).logits[0, -1]
+    return base, rec.targets(), ids[:, -1:], torch.tensor([[len(seq) - 1]], device=dev)
 
 
 @torch.no_grad()
@@ -101,18 +110,13 @@ def algorithm1_step(model, adapter: BlockAdapter, seq: list, start_layer: int = 
 
     Returns (baseline logits, patched logits, unpatched logits, per-layer relative errors, {layer: BlockPatch}).
     """
-    dev = next(model.parameters()).device
-    ids = torch.tensor([seq], device=dev)
-    with float64_norms(model), BlockRecorder(adapter) as rec:
-        base = model(input_ids=ids, use_cache=False).logits[0, -1]
-    targets = rec.targets()
-    q, pos = ids[:, -1:], torch.tensor([[len(seq) - 1]], device=dev)
+    base, targets, q, pos = _full_context(model, adapter, seq)
     layers = {l: targets[l] for l in range(start_layer, adapter.n_layers)}
     with float64_norms(model), ControlledPass(adapter, layers, pdtype) as cp:
         patched = model(input_ids=q, position_ids=pos, use_cache=False).logits[0, -1]
     with float64_norms(model):
         unpatched = model(input_ids=q, position_ids=pos, use_cache=False).logits[0, -1]
-    errors = [_rel(cp.outputs[l], targets[l].out) for l in sorted(cp.outputs)]
+    errors = [relative_error(cp.outputs[l], targets[l].out) for l in sorted(cp.outputs)]
     return base, patched, unpatched, errors, cp.patches
 
 
@@ -121,17 +125,12 @@ def single_block_errors(model, seq: list, pdtype=None) -> list[float]:
     """Theorem 1 block by block: layer l alone is patched and fed the full-context input ``x_C`` at the query;
     returns, per layer, max |patched output - full-context output| / max |full-context output|."""
     adapter = BlockAdapter(model)
-    dev = next(model.parameters()).device
-    ids = torch.tensor([list(seq)], device=dev)
-    with float64_norms(model), BlockRecorder(adapter) as rec:
-        model(input_ids=ids, use_cache=False)
-    targets = rec.targets()
-    q, pos = ids[:, -1:], torch.tensor([[len(seq) - 1]], device=dev)
+    _, targets, q, pos = _full_context(model, adapter, seq)
     errors = []
     for l in range(adapter.n_layers):
         with float64_norms(model), ControlledPass(adapter, {l: targets[l]}, pdtype, single_block=True) as cp:
             model(input_ids=q, position_ids=pos, use_cache=False)
-        errors.append(_rel(cp.outputs[l], targets[l].out))
+        errors.append(relative_error(cp.outputs[l], targets[l].out))
     return errors
 
 
@@ -210,9 +209,8 @@ def describe_parts(adapter: BlockAdapter) -> tuple[str, str, str]:
 
 
 def _row(model, family_key: str, res: dict, dtype: str, weights: str, prompt) -> FamilyRow:
-    adapter = BlockAdapter(model)
-    block, ins, outs = describe_parts(adapter)
-    moe = any(p.output_kind == "moe" for p in adapter.parts)
+    block, ins, outs = describe_parts(BlockAdapter(model))
+    moe = res["min_S"] is not None          # a gate sum was recorded: the model has MoE layers
     routing = f"{res['routing_matches']}/{res['tokens']}, min S {res['min_S']:.3f}" if moe else "-"
     single = max(single_block_errors(model, prompt))
     return FamilyRow(family_key, type(model).__name__, block, ins, outs, dtype, single, res["max_block_error"],

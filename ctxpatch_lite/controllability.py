@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .engine import HookScope, UnsupportedArchitectureError, rmsnorm_eps
+from .engine import HookScope, UnsupportedArchitectureError, WeightScope, rmsnorm_eps, unit_rms
 from .patches import PatchError, Rank1, default_patch_dtype, input_patch, safe_divide
 
 OUTPUT_KINDS = ("matrix", "bias", "scale")
@@ -113,9 +113,14 @@ def is_moe(mlp) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate") and hasattr(mlp.experts, "gate_up_proj")
 
 
+def is_conv1d(module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2) stores a linear map's weight transposed, as (in, out)."""
+    return type(module).__name__ == "Conv1D"
+
+
 def weight_oi(module) -> torch.Tensor:
-    """A linear map's weight as (out, in). transformers' ``Conv1D`` (GPT-2) stores it transposed, as (in, out)."""
-    return module.weight.t() if type(module).__name__ == "Conv1D" else module.weight
+    """A linear map's weight as (out, in), whatever layout the module stores."""
+    return module.weight.t() if is_conv1d(module) else module.weight
 
 
 @dataclass
@@ -174,8 +179,7 @@ class BlockAdapter:
         return len(self.parts)
 
     def normalize(self, y: torch.Tensor, norm) -> torch.Tensor:
-        y = y.to(self.norm_dtype)
-        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + rmsnorm_eps(norm))
+        return unit_rms(y.to(self.norm_dtype), rmsnorm_eps(norm))
 
 
 def _last(t) -> torch.Tensor:
@@ -220,27 +224,26 @@ class BlockRecorder(HookScope):
             _install_site_hooks(P, s, self._handles.append)
             self._handles.append(P.mlp.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("z", _last(a[0]))))
             self._handles.append(P.layer.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("out", _last(o))))
-            self._handles.append(P.layer.register_forward_pre_hook(
-                lambda m, a, k, s=s: s.__setitem__("x_in", _last(_hidden_arg(a, k))), with_kwargs=True))
         return self
 
     def targets(self) -> list[BlockTargets]:
         return [BlockTargets(v=self.store[l]["v"], z=self.store[l]["z"], out=self.store[l]["out"],
-                             x=self.store[l]["x_in"]) for l in range(self.ad.n_layers)]
+                             x=self.store[l]["x"]) for l in range(self.ad.n_layers)]
 
 
 def _install_site_hooks(P: LayerParts, st: dict, reg):
-    """Hooks that put this layer's v into ``st["v"]`` (sequential: an input; parallel: x + attn, in float64)."""
+    """Hooks that put this layer's input x into ``st["x"]`` and its v into ``st["v"]`` (sequential: the input of
+    ``v_site``; parallel: x + attn, in float64)."""
+    reg(P.layer.register_forward_pre_hook(lambda m, a, k: st.__setitem__("x", _last(_hidden_arg(a, k))),
+                                          with_kwargs=True))
     if P.v_site is not None:
         reg(P.v_site.register_forward_pre_hook(lambda m, a: st.__setitem__("v", _last(a[0]))))
         return
-    reg(P.layer.register_forward_pre_hook(lambda m, a, k: st.__setitem__("x", _last(_hidden_arg(a, k))),
-                                          with_kwargs=True))
     reg(P.attn.register_forward_hook(
         lambda m, a, o: st.__setitem__("v", st["x"].to(torch.float64) + _last(o).to(torch.float64))))
 
 
-class ControlledPass:
+class ControlledPass(WeightScope):
     """Context manager around one no-context forward of the query token: patch layers ``targets`` covers."""
 
     def __init__(self, adapter: BlockAdapter, targets: dict, pdtype: torch.dtype | None = None,
@@ -248,42 +251,23 @@ class ControlledPass:
         """``single_block=True``: every patched layer is fed the recorded full-context input ``x_C`` at the query
         (Theorem 1 for that block alone: same block input, context removed), instead of the layer below's output."""
         self.ad, self.targets, self.single_block = adapter, targets, single_block
-        self.pd = pdtype or default_patch_dtype(adapter.dtype)
+        self.pdtype = pdtype or default_patch_dtype(adapter.dtype)
         self.patches: dict[int, BlockPatch] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._handles, self._saved = [], {}
 
-    # -- writing and restoring ---------------------------------------------------------------------------------
-    def _add(self, param: torch.nn.Parameter, delta: torch.Tensor, index=None):
-        """``param[index] += delta``, computed in the patch dtype and cast to the parameter's dtype."""
-        if id(param) not in self._saved:
-            self._saved[id(param)] = (param, param.detach().clone())
-        with torch.no_grad():
-            view = param if index is None else param[index]
-            view.copy_((view.to(self.pd) + delta.to(self.pd)).to(param.dtype))
-
     def _add_rank1(self, module, r1: Rank1):
         dense = r1.dense()
-        self._add(module.weight, dense.t() if type(module).__name__ == "Conv1D" else dense)
+        self._add(module.weight, dense.t() if is_conv1d(module) else dense)
 
     def __enter__(self):
         for l, T in self.targets.items():
             self._install(l, T)
         return self
 
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        with torch.no_grad():
-            for param, orig in self._saved.values():
-                param.copy_(orig)
-        self._handles.clear()
-        self._saved.clear()
-        return False
-
     # -- one layer -------------------------------------------------------------------------------------------
     def _install(self, l: int, T: BlockTargets):
-        P, pd, reg = self.ad.parts[l], self.pd, self._handles.append
+        P, pd, reg = self.ad.parts[l], self.pdtype, self._handles.append
         st = {}
         patch = self.patches[l] = BlockPatch(layer=l, kind=P.output_kind)
         if self.single_block:
@@ -334,7 +318,7 @@ class ControlledPass:
 
     def _moe(self, l, moe, z, z_C, dv, patch: BlockPatch):
         """Router and selected experts (input), and every selected expert's down projection adds ``dv / S``."""
-        pd, experts = self.pd, moe.experts
+        pd, experts = self.pdtype, moe.experts
         _, _, idx_C = moe.gate(z_C.reshape(1, -1))                      # routing with the context (unpatched)
         r1 = patch.inputs["router"] = input_patch(moe.gate.weight, z, z_C, pd, l, "router")
         self._add(moe.gate.weight, r1.dense())

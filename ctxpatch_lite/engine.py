@@ -83,12 +83,16 @@ class GemmaAdapter:
 
     def normalize(self, y: torch.Tensor) -> torch.Tensor:
         """Unit-scale RMS normalisation N(y) in the norm's compute dtype, as Gemma's RMSNorm does it."""
-        y = y.to(self.norm_dtype)
-        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return unit_rms(y.to(self.norm_dtype), self.eps)
 
     def scale(self, l: int) -> torch.Tensor:
         """The post-feedforward scale m = 1 + weight of layer l, in the norm dtype."""
         return self.scale_offset + self.parts[l].post_ff.weight.to(self.norm_dtype)
+
+
+def unit_rms(y: torch.Tensor, eps: float) -> torch.Tensor:
+    """N(y) = y / sqrt(mean(y^2) + eps), in y's dtype: the unit-scale RMS normalisation every RMSNorm applies."""
+    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def last_row(t: torch.Tensor) -> torch.Tensor:
@@ -121,8 +125,7 @@ def float64_norms(model):
     handles = []
 
     def hook(mod, args, out):
-        x = args[0].to(torch.float64)
-        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + rmsnorm_eps(mod))
+        n = unit_rms(args[0].to(torch.float64), rmsnorm_eps(mod))
         w = getattr(mod, "weight", None)
         if w is not None:
             n = n * (rmsnorm_offset(mod) + w.to(torch.float64))
@@ -179,7 +182,38 @@ def query_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-class PatchHooks:
+class HookScope:
+    """Base of the hook context managers: hooks registered into ``self._handles`` are all removed on exit."""
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+
+class WeightScope(HookScope):
+    """A ``HookScope`` that also writes patches into parameters (``_add``) and restores them bit for bit on exit,
+    also when the pass fails midway. Subclasses set ``pdtype`` and ``_saved = {}``."""
+
+    def _add(self, param: torch.nn.Parameter, delta: torch.Tensor, index=None) -> None:
+        """Materialize ``param[index] += delta``: computed in the patch dtype, stored in the model dtype (the cast)."""
+        if id(param) not in self._saved:
+            self._saved[id(param)] = (param, param.detach().clone())
+        with torch.no_grad():
+            view = param if index is None else param[index]
+            view.copy_((view.to(self.pdtype) + delta.to(self.pdtype)).to(param.dtype))
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        with torch.no_grad():
+            for param, orig in self._saved.values():
+                param.copy_(orig)
+        self._saved.clear()
+        return False
+
+
+class PatchHooks(WeightScope):
     """Context manager: apply (and, where asked, compute) layer patches during one forward; restore on exit.
 
     The forward it wraps runs N independent one-token sequences (input shape (N, 1)); targets in the specs are
@@ -195,23 +229,17 @@ class PatchHooks:
         self.pdtype = pdtype or default_patch_dtype(adapter.dtype)
         self.record = PassRecord()
         self._handles = []
-        self._saved = []          # (param, original clone)
+        self._saved = {}          # id(param) -> (param, original clone)
         self._built = {}          # layer -> LayerPatch being built (rows)
 
     # -- bookkeeping -------------------------------------------------------------------------------------
-    def _write(self, param: torch.nn.Parameter, new_value: torch.Tensor):
-        """Materialize: store ``new_value`` (patch dtype) into ``param`` in the model dtype (the cast)."""
-        self._saved.append((param, param.detach().clone()))
-        with torch.no_grad():
-            param.copy_(new_value.to(param.dtype))
-
     def _write_rank1(self, lin: torch.nn.Linear, r1) -> None:
         """Materialize ``W + dW`` for one (single-row) rank-1 patch."""
-        self._write(lin.weight, lin.weight.to(self.pdtype) + r1.row(0).dense().to(self.pdtype))
+        self._add(lin.weight, r1.row(0).dense())
 
     def _write_scale(self, norm: torch.nn.Module, dm: torch.Tensor) -> None:
         """Materialize ``w + dm`` for the post-feedforward norm scale."""
-        self._write(norm.weight, norm.weight.to(self.pdtype) + dm.reshape(-1).to(self.pdtype))
+        self._add(norm.weight, dm.reshape(-1))
 
     def __enter__(self):
         for l, spec in self.specs.items():
@@ -219,13 +247,7 @@ class PatchHooks:
         return self.record
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        with torch.no_grad():
-            for param, orig in reversed(self._saved):
-                param.copy_(orig)
-        self._handles.clear()
-        self._saved.clear()
+        super().__exit__(*exc)
         if exc[0] is None:
             self._split_rows()
         return False
@@ -358,16 +380,6 @@ class PatchHooks:
                 return (ad.normalize(y) * scale).to(y.dtype)
 
             self._handles.append(P.post_ff.register_forward_hook(post_norm))
-
-
-class HookScope:
-    """Base of the recorders: hooks registered in ``__enter__`` into ``self._handles``, all removed on exit."""
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        return False
 
 
 class TargetRecorder(HookScope):

@@ -17,6 +17,12 @@ import statistics
 import torch
 
 
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in float64: how far ``a`` is from the reference ``b`` (the Theorem 1 check)."""
+    a, b = a.to(torch.float64), b.to(torch.float64).reshape(a.shape)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
 def average_ranks(x: torch.Tensor) -> torch.Tensor:
     """Ranks 0..n-1 of a 1-D tensor, tied values sharing their mean rank (float64)."""
     sorted_vals, order = torch.sort(x)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .patches import Rank1
 from .engine import GemmaAdapter, LayerSpec, PatchHooks, TargetRecorder, float64_norms
+from .metrics import relative_error
+from .patches import Rank1
 
 
 @dataclass
@@ -43,10 +44,6 @@ class SingleBlockResult:
     def dW_up(self) -> torch.Tensor:
         return self.up.dense()
 
-
-def _rel(a, b):
-    a, b = a.to(torch.float64), b.to(torch.float64)
-    return float((a - b).abs().max() / b.abs().max())
 
 
 @torch.no_grad()
@@ -96,7 +93,8 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
     out_t, out_p, out_u = T.out, rec1.outputs[layer], rec0.outputs[layer]
     return SingleBlockResult(
         layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"], gate=p.gate, up=p.up, dm=p.dm, out_target=out_t, out_patched=out_p, out_unpatched=out_u,
-        rel_error=_rel(out_p, out_t), unpatched_rel_error=_rel(out_u, out_t), singular_values=sv,
+        rel_error=relative_error(out_p, out_t), unpatched_rel_error=relative_error(out_u, out_t),
+        singular_values=sv,
         fallbacks=p.diagnostics.fallbacks, min_abs_h=p.diagnostics.min_abs_h)
 
 
