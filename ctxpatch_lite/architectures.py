@@ -189,6 +189,19 @@ class FamilyRow:
         return asdict(self)
 
 
+FLOAT64_TOLERANCE = 1e-10
+
+
+def meets_target(row: dict) -> bool:
+    """A family row (``FamilyRow.to_dict()`` or its JSON) meets the target: every token matches, and in float64
+    every block, alone and inside Algorithm 1, is within ``FLOAT64_TOLERANCE`` of its full-context output."""
+    done, total = (int(x) for x in row["token_match"].split("/"))
+    ok = done == total
+    if row["dtype"] == "float64":
+        ok = ok and max(row["max_block_rel_error"], row["single_block_rel_error"]) <= FLOAT64_TOLERANCE
+    return ok
+
+
 def describe_parts(adapter: BlockAdapter) -> tuple[str, str, str]:
     """(block kind, input patch, output patch) in words, from the layers the adapter found."""
     fam, kinds = adapter.family, {p.output_kind for p in adapter.parts}

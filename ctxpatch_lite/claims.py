@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .architectures import meets_target
+
 REPRODUCED, CONTRADICTED, NOT_RUNNABLE = "reproduced", "contradicted", "not runnable here"
 
 
@@ -202,9 +204,8 @@ def architectures_row(architectures_dir: str | Path) -> dict:
         return {**row, "measured": "—", "tokens": 0, "dtype": "—", "hardware": "—", "verdict": NOT_RUNNABLE,
                 "note": f"no verify_architectures JSON in {architectures_dir}"}
     rows = {dt: json.loads(f.read_text())["rows"] for dt, f in files.items()}
-    ok = lambda r: r["token_match"].split("/")[0] == r["token_match"].split("/")[1]  # noqa: E731
-    exact = [r for r in rows["float64"] if ok(r) and max(r["max_block_rel_error"], r["single_block_rel_error"]) <= 1e-10]
-    f32 = [r for r in rows["float32"] if ok(r)]
+    exact = [r for r in rows["float64"] if meets_target(r)]
+    f32 = [r for r in rows["float32"] if meets_target(r)]
     n = len(rows["float64"])
     worst = max(r["max_block_rel_error"] for r in rows["float64"])
     tokens = sum(int(r["token_match"].split("/")[1]) for dt in rows for r in rows[dt])
