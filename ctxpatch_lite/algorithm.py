@@ -1,34 +1,59 @@
-"""Algorithm 1 (paper Section 3.3): absorb the context into per-layer patches for one query token.
+"""Algorithm 1 (paper Section 3.3) on every family of the registry: absorb the context, layer by layer, for one
+query token.
 
-1. Full-context pass: record, at the query position, each layer's targets (``LayerTargets``).
-2. Query token alone: layers below ``start_layer`` run unpatched on the query alone; from ``start_layer`` on, each
-   layer's patch is computed from the *actual* output of the (patched) layer below, inside this very pass, and
-   applied before the pass moves on (self-correcting). Final norm and LM head are untouched.
+1. Full-context pass: record, at the query position, each layer's ``Targets``.
+2. Query token alone: layers below ``start_layer`` run unpatched; from ``start_layer`` on, each layer's patch is
+   computed inside the pass from the values that pass produces, and applied before the pass moves on.
 
-Modes (``mode``):
-* ``selfcorrect`` -- Algorithm 1 as stated.
-* ``ideal``       -- each patched layer is fed the recorded full-context input instead of the patched output of
-                     the layer below (no self-correction).
-* ``fixed``       -- patches computed once, at the first generated token, and reused at every later step.
-* ``none``        -- no patches: the query alone (negative control).
-* ``input-only``  -- rank-1 gate/up patches, no output patch.
-* ``vanilla``     -- the predecessor's vanilla-block recipe ported naively: rank-1 gate/up patches plus ``dv`` added
-                     as a bias on the down-projection output (before Gemma's post-norm).
-``variant`` (``naive`` | ``stable``) and ``h_source`` (``actual`` | ``recorded``) choose how the output patch is
-built; they have no effect in the ``none``, ``input-only`` and ``vanilla`` modes.
+Two settings say what a run does:
+
+``schedule`` -- where each patch's inputs come from:
+* ``selfcorrect`` Algorithm 1 as stated: each layer's patch is computed from the *actual* output of the patched
+  layer below (errors of the layers below are corrected);
+* ``ideal``       the paper's contrast: every layer's patch is computed from the *ideal* input (the recorded
+  full-context residual at that layer), then all patches are applied in a second pass that runs on the actual
+  outputs, so errors propagate and nothing corrects them;
+* ``oracle``      every patched layer is *fed* the recorded full-context input (a per-layer error floor, not a
+  runnable procedure; what the first edition called ``ideal``);
+* ``fixed``       the patches of the first generated token are reused at every later step.
+
+``parts`` -- what each patch holds: ``full`` (input and output patches), ``none`` (no patch: the query alone, a
+negative control), ``input-only`` (rank-1 input patches, no output patch), ``vanilla`` (input patches plus dv added
+to the MLP output, the predecessor's recipe ported naively).
+
+``variant`` (``naive`` | ``stable``) and ``h_source`` (``actual`` | ``recorded``) choose how the output patch is built;
+``stable`` needs a trainable post-norm scale after the MLP (Gemma 2/3, OLMo 2). The old single ``mode`` maps onto
+the pair (``LEGACY_MODES``; its ``ideal`` meant ``schedule="oracle"``).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 
-from .engine import (APPLY_MODES, H_SOURCES, VARIANTS, GemmaAdapter, LayerSpec, PatchHooks, TargetRecorder,
-                     float64_norms)
+from .engine import APPLY_MODES, H_SOURCES, VARIANTS, LayerSpec, PatchedPass, Recorder
+from .families import Adapter
+from .hooks import float64_norms
 from .metrics import relative_error
 from .models import DTYPES, dtype_name
+from .patches import default_patch_dtype
 
-MODES = ("selfcorrect", "ideal", "fixed", "none", "input-only", "vanilla")
+SCHEDULES = ("selfcorrect", "ideal", "oracle", "fixed")
+PARTS = {"full": frozenset({"input", "output"}), "none": frozenset(), "input-only": frozenset({"input"}),
+         "vanilla": frozenset({"input", "vanilla"})}
+LEGACY_MODES = {"selfcorrect": ("selfcorrect", "full"), "ideal": ("oracle", "full"), "fixed": ("fixed", "full"),
+                "none": ("selfcorrect", "none"), "input-only": ("selfcorrect", "input-only"),
+                "vanilla": ("selfcorrect", "vanilla")}
+MODES = tuple(LEGACY_MODES)
+
+
+def from_legacy_mode(mode: str) -> tuple[str, str]:
+    """(schedule, parts) of a first-edition ``mode``; its ``ideal`` fed recorded inputs, i.e. ``oracle``."""
+    if mode not in LEGACY_MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(LEGACY_MODES)} (or set schedule= and "
+                         f"parts= directly)")
+    return LEGACY_MODES[mode]
 
 
 @dataclass
@@ -37,12 +62,23 @@ class PatchConfig:
     start_layer: int = 0
     h_source: str = "actual"
     apply: str = "factored"
-    mode: str = "selfcorrect"
+    schedule: str = "selfcorrect"
+    parts: str = "full"
     patch_dtype: str | None = None   # None: float32 for float32/bfloat16 models, float64 for float64 models
+    mode: str | None = None          # first-edition name; mapped onto (schedule, parts) with a note
+
+    def __post_init__(self):
+        if self.mode is not None:
+            schedule, parts = from_legacy_mode(self.mode)
+            if self.mode == "ideal":
+                warnings.warn("mode='ideal' of the first edition fed each layer the recorded input: it now runs as "
+                              "schedule='oracle'; schedule='ideal' is the paper's contrast", stacklevel=3)
+            self.schedule, self.parts, self.mode = schedule, parts, None
 
     def validate(self, n_layers: int) -> "PatchConfig":
         for name, value, choices in (("variant", self.variant, VARIANTS), ("h_source", self.h_source, H_SOURCES),
-                                     ("apply", self.apply, APPLY_MODES), ("mode", self.mode, MODES)):
+                                     ("apply", self.apply, APPLY_MODES), ("schedule", self.schedule, SCHEDULES),
+                                     ("parts", self.parts, tuple(PARTS))):
             if value not in choices:
                 raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
         if not isinstance(self.start_layer, int) or not 0 <= self.start_layer < n_layers:
@@ -53,90 +89,128 @@ class PatchConfig:
             raise ValueError(f"unknown patch_dtype {self.patch_dtype!r}; choose one of: {', '.join(DTYPES)}")
         return self
 
+    @property
+    def label(self) -> str:
+        """A short name: the schedule, or the parts when they are not ``full``."""
+        return self.schedule if self.parts == "full" else self.parts
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("mode")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PatchConfig":
+        """Read a config from a record, old (``mode``) or new (``schedule``, ``parts``)."""
+        keys = ("variant", "start_layer", "h_source", "apply", "schedule", "parts", "patch_dtype")
+        kw = {k: d[k] for k in keys if k in d}
+        if "schedule" not in d and "mode" in d:
+            kw["schedule"], kw["parts"] = from_legacy_mode(d["mode"])
+        return cls(**kw)
 
 
 class Algorithm1:
-    """Algorithm 1 on a transformers Gemma 2/3 causal LM; one instance per (model, config)."""
+    """Algorithm 1 on a transformers causal LM of any registered family; one instance per (model, config)."""
 
     def __init__(self, model, config: PatchConfig | None = None):
         self.model = model
-        self.adapter = GemmaAdapter(model)
+        self.adapter = Adapter(model)
         self.config = (config or PatchConfig()).validate(self.adapter.n_layers)
+        if self.config.variant == "stable" and not self.adapter.stable_ok and self.config.parts == "full":
+            raise ValueError(f"variant 'stable' needs a trainable post-norm scale after the MLP (Appendix B: Gemma 2/3, "
+                             f"OLMo 2); this {self.adapter.family.key} model's output patch is a "
+                             f"{self.adapter.parts[0].kind}. Use variant='naive'")
         self.pdtype = DTYPES[self.config.patch_dtype] if self.config.patch_dtype else None
         self.device = next(model.parameters()).device
         self._fixed = None
 
     @property
     def patch_dtype_name(self) -> str:
-        from .patches import default_patch_dtype
         return dtype_name(self.pdtype or default_patch_dtype(self.adapter.dtype))
 
     def reset(self):
-        """Forget the patches kept by the ``fixed`` mode (start of a new generation)."""
+        """Forget the patches kept by the ``fixed`` schedule (start of a new generation)."""
         self._fixed = None
+
+    def norms(self):
+        return float64_norms(self.model, self.adapter.family.scale_offset)
 
     # -- passes ----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def full_context(self, input_ids, cache=None):
-        """Forward ``input_ids`` (1, T) with the full context; return (last logits, targets, cache)."""
+    def full_context(self, input_ids, cache=None, positions=None):
+        """Forward ``input_ids`` (1, T) with the full context; return (logits, targets, cache). ``positions``
+        (a tensor): targets and logits at those positions (rows), else at the last one."""
         ids = torch.as_tensor(input_ids, device=self.device).reshape(1, -1)
-        with float64_norms(self.model), TargetRecorder(self.adapter) as rec:
-            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1], rec.targets(), getattr(out, "cache", None) or out.past_key_values
+        keep = 1 if positions is None else positions
+        with self.norms(), Recorder(self.adapter, positions) as rec:
+            out = self.model(input_ids=ids, cache=cache, use_cache=positions is None, logits_to_keep=keep)
+        logits = out.logits[0, -1] if positions is None else out.logits[0]
+        return logits, rec.targets(), getattr(out, "cache", None) or getattr(out, "past_key_values", None)
 
-    def specs(self, targets) -> dict:
-        c, s = self.config, self.config.start_layer
-        layers = range(s, self.adapter.n_layers)
-        if c.mode == "none":
+    def specs(self, targets, oracle: bool = False, layers=None) -> dict:
+        c = self.config
+        parts = PARTS[c.parts]
+        if not parts:
             return {}
-        if c.mode == "fixed" and self._fixed is not None:
-            return {l: LayerSpec(patch=self._fixed[l]) for l in layers}
-        parts = {"selfcorrect": {"input", "output"}, "ideal": {"input", "output"}, "fixed": {"input", "output"},
-                 "input-only": {"input"}, "vanilla": {"input", "vanilla"}}[c.mode]
-        return {l: LayerSpec(targets=targets[l], parts=frozenset(parts), variant=c.variant, h_source=c.h_source,
-                             ideal_input=targets[l].x_in if c.mode == "ideal" else None) for l in layers}
+        layers = range(c.start_layer, self.adapter.n_layers) if layers is None else layers
+        return {l: LayerSpec(targets=targets[l], parts=parts, variant=c.variant, h_source=c.h_source,
+                             oracle=oracle or c.schedule == "oracle") for l in layers}
+
+    def run_pass(self, ids, pos, specs, apply=None) -> tuple[torch.Tensor, PatchedPass]:
+        """One no-context forward of the query rows ``ids`` (N, 1) at positions ``pos`` (N, 1) with ``specs``."""
+        pp = PatchedPass(self.adapter, specs, apply=apply or self.config.apply, pdtype=self.pdtype)
+        with self.norms(), pp:
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
+        return out.logits[:, -1], pp
+
+    def _schedule(self, ids, pos, targets):
+        c = self.config
+        if c.schedule == "fixed" and self._fixed is not None:
+            logits, pp = self.run_pass(ids, pos, {l: LayerSpec(patch=p, targets=targets[l])
+                                                  for l, p in self._fixed.items()})
+            pp.reused = True
+            return logits, pp
+        if c.schedule == "ideal":
+            _, built = self.run_pass(ids, pos, self.specs(targets, oracle=True))
+            logits, pp = self.run_pass(ids, pos, {l: LayerSpec(patch=p, targets=targets[l])
+                                                  for l, p in built.patches.items()})
+            pp.patches = built.patches
+            return logits, pp
+        logits, pp = self.run_pass(ids, pos, self.specs(targets))
+        if c.schedule == "fixed":
+            self._fixed = dict(pp.patches)
+        return logits, pp
 
     @torch.no_grad()
-    def patched(self, query_id: int, position: int, targets):
-        """One no-context forward of the query token with this config's patches; returns (logits, PassRecord)."""
-        ids = torch.tensor([[int(query_id)]], device=self.device)
-        pos = torch.tensor([[int(position)]], device=self.device)
-        hooks = PatchHooks(self.adapter, self.specs(targets), apply=self.config.apply, pdtype=self.pdtype)
-        with float64_norms(self.model), hooks as record:
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
-        if self.config.mode == "fixed" and self._fixed is None:
-            self._fixed = dict(record.patches)
-        return out.logits[0, -1], record
-
+    def patched(self, query_id, position, targets):
+        """One no-context forward of the query token under this config; returns (logits (V,), PatchedPass)."""
+        ids = torch.as_tensor(query_id, device=self.device).reshape(1, 1)
+        pos = torch.as_tensor(position, device=self.device).reshape(1, 1)
+        logits, pp = self._schedule(ids, pos, targets)
+        return logits[0], pp
 
     @torch.no_grad()
     def batched(self, seq_ids, positions):
         """Teacher-forced Algorithm 1 for many queries at once (the paper's protocol with the history known).
 
         One full-context forward over ``seq_ids`` records the targets and the baseline logits at ``positions``;
-        one query-alone pass runs the N query tokens ``seq_ids[positions]`` as N independent one-token sequences,
-        each row patched with its own patches, computed inside this same pass (factored). Returns
-        (baseline logits (N, V), patched logits (N, V), PassRecord, targets).
+        the query-alone pass runs the N query tokens ``seq_ids[positions]`` as N independent one-token sequences,
+        each row patched with its own patches, computed inside that same pass (factored). Returns (baseline logits
+        (N, V), patched logits (N, V), PatchedPass, targets).
         """
-        if self.config.mode == "fixed":
-            raise ValueError("the fixed mode reuses the first token's patches step after step; run it step by step")
+        if self.config.schedule == "fixed":
+            raise ValueError("the fixed schedule reuses the first token's patches step after step; run it step by step")
         if self.config.apply != "factored":
             raise ValueError("the batched path applies patches factored (one patch per row); use apply='factored' "
                              "or the step-by-step path for materialized patches")
         ids = torch.as_tensor(seq_ids, device=self.device).reshape(1, -1)
-        pos = torch.as_tensor(list(positions), device=self.device, dtype=torch.long)
-        if pos.numel() == 0 or int(pos.min()) < 0 or int(pos.max()) >= ids.shape[1]:
-            raise ValueError(f"positions must lie in 0..{ids.shape[1] - 1}")
-        with float64_norms(self.model), TargetRecorder(self.adapter, pos.tolist()) as rec:
-            base = self.model(input_ids=ids, use_cache=False, logits_to_keep=pos).logits[0]
-        targets = rec.targets()
-        hooks = PatchHooks(self.adapter, self.specs(targets), apply="factored", pdtype=self.pdtype)
-        with float64_norms(self.model), hooks as record:
-            out = self.model(input_ids=ids[0, pos].reshape(-1, 1), position_ids=pos.reshape(-1, 1), use_cache=False,
-                             logits_to_keep=1)
-        return base, out.logits[:, -1], record, targets
+        pos = torch.as_tensor(positions, device=self.device, dtype=torch.long).reshape(-1)
+        n = ids.shape[1]
+        if pos.numel() == 0 or not all(0 <= int(p) < n for p in positions):
+            raise ValueError(f"positions must lie in 0..{n - 1}")
+        base, targets, _ = self.full_context(ids, positions=pos)
+        logits, pp = self._schedule(ids[0, pos].reshape(-1, 1), pos.reshape(-1, 1), targets)
+        return base, logits, pp, targets
 
 
 def layer_errors(record, targets) -> list[float]:

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import trange
 
-from .controllability import BlockAdapter, BlockRecorder
-from .engine import float64_norms, unit_rms
+from .engine import Recorder
+from .families import Adapter
+from .hooks import float64_norms, unit_rms
 from .metrics import relative_error
 from .stable import invert_rmsnorm
 
@@ -80,15 +81,15 @@ def appendix_d(d: int = 16, hidden: int = 32, excess: float = 3.0, steps: int = 
 
 @torch.no_grad()
 def _growing_contexts(model, prompt_ids: list, layer: int) -> tuple:
-    """(adapter, [BlockTargets of ``layer`` at the query]) for the contexts C_0 = {} ... C_n = all tokens before it."""
-    ad = BlockAdapter(model)
+    """(adapter, [Targets of ``layer`` at the query, 1-D]) for the contexts C_0 = {} ... C_n = all tokens before it."""
+    ad = Adapter(model)
     query, ctx = prompt_ids[-1], prompt_ids[:-1]
     records = []
     for k in range(len(ctx) + 1):
         ids = torch.tensor([ctx[len(ctx) - k:] + [query]])
-        with float64_norms(model), BlockRecorder(ad) as rec:
+        with float64_norms(model, ad.family.scale_offset), Recorder(ad) as rec:
             model(input_ids=ids, use_cache=False)
-        records.append(rec.targets()[layer])
+        records.append(rec.targets()[layer].select(0))
     return ad, records
 
 
@@ -109,9 +110,9 @@ def appendix_e_outer(model, prompt_ids: list, layer: int = 0) -> dict:
     """
     ad, T = _growing_contexts(model, prompt_ids, layer)
     P = ad.parts[layer]
-    if P.output_kind != "matrix":
+    if P.kind != "matrix":
         raise ValueError(f"appendix_e_outer needs an outer-matrix block (Llama-style); {ad.family.key} has "
-                         f"{P.output_kind}")
+                         f"{P.kind}")
     z0, v0 = T[0].z.to(torch.float64), T[0].v.to(torch.float64)
     gate, up = dict(P.inputs)["gate_proj"], dict(P.inputs)["up_proj"]
     Wg, Wu, Wd = (m.weight.detach().to(torch.float64) for m in (gate, up, P.output))
@@ -139,9 +140,9 @@ def appendix_e_stable(model, prompt_ids: list, layer: int = 0) -> dict:
     the fixed element-wise preconditioner ``N(h_target,n)`` telescope to the one-shot ``dm``; a moving one does not."""
     ad, T = _growing_contexts(model, prompt_ids, layer)
     P = ad.parts[layer]
-    if P.output_kind != "scale":
+    if P.kind != "scale":
         raise ValueError(f"appendix_e_stable needs a post-norm-scale block (Gemma 2/3); {ad.family.key} has "
-                         f"{P.output_kind}")
+                         f"{P.kind}")
     zC, v0 = T[-1].z.double(), T[0].v.double()
     mlp = P.mlp
     Wd = mlp.down_proj.weight.double()

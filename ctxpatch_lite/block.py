@@ -106,9 +106,9 @@ class GemmaBlock:
 @torch.no_grad()
 def layer_io(model, input_ids, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Input and output rows (T, d) of transformers' decoder layer ``layer`` in a normal forward of ``input_ids``."""
-    from .engine import GemmaAdapter
+    from .families import Adapter
 
-    ad = GemmaAdapter(model)
+    ad = Adapter(model)
     got = {}
     h1 = ad.parts[layer].layer.register_forward_pre_hook(lambda m, a: got.__setitem__("x", a[0][0].clone()))
     h2 = ad.parts[layer].layer.register_forward_hook(

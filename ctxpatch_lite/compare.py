@@ -14,8 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from .algorithm import MODES, PatchConfig
-from .engine import APPLY_MODES, H_SOURCES, VARIANTS, UnsupportedArchitectureError
+from .algorithm import LEGACY_MODES, PARTS, SCHEDULES, PatchConfig, from_legacy_mode
+from .engine import APPLY_MODES, H_SOURCES, VARIANTS
+from .hooks import PatchError, UnsupportedArchitectureError
 from .metrics import format_fraction
 from .models import DTYPES, ModelLoadError
 
@@ -46,7 +47,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--start-layer", type=int, default=0, help="0-based first patched layer")
     ap.add_argument("--apply", default="factored", help=f"{' | '.join(APPLY_MODES)}")
     ap.add_argument("--h-source", default="actual", help=f"{' | '.join(H_SOURCES)}")
-    ap.add_argument("--mode", default="selfcorrect", help=f"{' | '.join(MODES)}")
+    ap.add_argument("--schedule", default=None, help=f"{' | '.join(SCHEDULES)} (default selfcorrect)")
+    ap.add_argument("--parts", default=None, help=f"{' | '.join(PARTS)} (default full)")
+    ap.add_argument("--mode", default=None, help=f"first-edition name, mapped onto --schedule/--parts: "
+                                                 f"{' | '.join(LEGACY_MODES)} (its ideal is now --schedule oracle)")
     ap.add_argument("--model", default=None, help="hub id or local folder (default: the embedded Gemma 3 270M)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--chat-template", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -69,9 +73,17 @@ def main(argv=None) -> int:
         return _fail(f"unknown dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
     if args.tokens < 1:
         return _fail(f"--tokens must be at least 1, got {args.tokens}")
-    config = PatchConfig(variant=args.variant, start_layer=args.start_layer, h_source=args.h_source,
-                         apply=args.apply, mode=args.mode, patch_dtype=args.patch_dtype)
     try:
+        schedule, parts = args.schedule or "selfcorrect", args.parts or "full"
+        if args.mode is not None:
+            if args.schedule or args.parts:
+                raise ValueError("--mode is the first-edition name of a --schedule/--parts pair; give one or the other")
+            schedule, parts = from_legacy_mode(args.mode)
+            print(f"note: --mode {args.mode} runs as --schedule {schedule} --parts {parts}"
+                  + (" (the first edition's 'ideal' fed each layer its recorded input: an oracle)"
+                     if args.mode == "ideal" else ""), file=sys.stderr)
+        config = PatchConfig(variant=args.variant, start_layer=args.start_layer, h_source=args.h_source,
+                             apply=args.apply, schedule=schedule, parts=parts, patch_dtype=args.patch_dtype)
         config.validate(n_layers=10 ** 9)  # names first; the layer range is checked once the model is known
         prompts = read_prompts(args.prompt_file) if args.prompt_file else [{"id": "prompt", "text": args.prompt}]
         if not prompts or any(not str(p["text"]).strip() for p in prompts):
@@ -94,7 +106,7 @@ def main(argv=None) -> int:
                                progress=not args.quiet, desc=p["id"], batched=args.batched)
             rec["prompt_id"] = p["id"]
             runs.append(rec)
-    except (ModelLoadError, UnsupportedArchitectureError, PromptError, ValueError) as exc:
+    except (ModelLoadError, UnsupportedArchitectureError, PromptError, PatchError, ValueError) as exc:
         return _fail(str(exc))
     steps = [s for r in runs for s in r["steps"]]
     pooled = summarize(steps)
@@ -104,7 +116,8 @@ def main(argv=None) -> int:
         "summary": pooled, "config": runs[0]["config"], "runs": runs,
     }
     out["config"] = {**out["config"], "chat_template": bool(args.chat_template), "command": sys.argv[:]}
-    print(f"model {out['config']['model']}  dtype {args.dtype}  variant {config.variant}  mode {config.mode}  "
+    print(f"model {out['config']['model']}  dtype {args.dtype}  variant {config.variant}  "
+          f"schedule {config.schedule}  parts {config.parts}  "
           f"apply {config.apply}  h_source {config.h_source}  start_layer {config.start_layer}")
     print(f"{'prompt':<12}{'tokens':>7}  {'token match':<18}{'median Linf':>12}{'max Linf':>11}{'median TVD':>12}"
           f"{'fallbacks':>10}{'hard':>6}")

@@ -1,418 +1,278 @@
-"""The one mechanism that applies patches to a transformers model: forward hooks around the MLP of each layer.
+"""The one engine: record the full-context targets, and run the query token alone through one patched pass.
 
-For one forward of the query token, ``PatchHooks`` installs hooks on the decoder layers it is given a
-``LayerSpec`` for. A spec either carries a ready ``LayerPatch`` (apply it) or the recorded full-context targets
-(compute the patch *inside this pass*, from the values this very pass produces, then apply it). On exit every hook
-is removed and every parameter it wrote is restored from a saved copy, bit for bit.
+``Recorder`` hooks a full-context forward and keeps, at the query position(s), each layer's ``Targets``. ``PatchedPass``
+hooks a no-context forward of N independent one-token sequences (N = 1 step by step; N > 1 batched, one patch per
+row). For every layer it is given a ``LayerSpec`` for, it either computes that layer's patch *inside this pass*, from
+the values this very pass produces (the layer's own ``v`` and ``z``, after the patched layers below it), or applies a
+supplied ``LayerPatch``. The family's controllers (``controllers.py``) do the per-kind work; this module owns the
+hook sites every family shares:
 
-Application modes:
-* ``materialized``: the patched matrices ``W + dW`` and the patched scale ``w + dm`` are computed in the patch dtype
-  and **cast to the model dtype** when written into the parameters -- what a real patched checkpoint would hold.
-* ``factored``: no dense copy; ``dW x = u (z.x)/||z||^2`` is computed in the patch dtype and **cast to the model
-  dtype** when added to the Linear output; the post-norm output ``N(y) * (1 + w + dm)`` is computed in the norm's
-  dtype (float32, or float64 for float64 models) and cast to the model dtype, exactly where Gemma casts.
+* the decoder layer's input (recorded; the ``oracle`` schedule replaces it by the recorded full-context input);
+* v: the input of the family's ``v_site``, or ``x + attn`` in a parallel block;
+* the MLP module's input z: one pre-hook, where every input controller builds its patch and dv = v_C - v is known;
+* the MLP module's output (the ``vanilla`` control adds dv there);
+* the decoder layer's output (recorded: the Theorem 1 check).
 
-Gemma's RMSNorm upcasts to float32 even for float64 models; ``float64_norms`` (used automatically for float64
-models) recomputes every RMSNorm in float64 so that float64 checks are float64 end to end.
+Application: ``materialized`` writes ``W + dW`` / ``w + dm`` into the parameters by the one cast rule of
+``hooks.WeightScope`` (restored bit for bit on exit); ``factored`` adds rank-1 actions to module outputs and computes
+the patched post-norm in the norm's dtype, touching no weight. Conditions (z = 0, h = 0, S = 0) are kept as tensors
+and raised, naming the layer, when the pass ends -- after every weight is restored.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
-from .patches import (LayerPatch, PatchDiagnostics, default_patch_dtype, input_patch,
-                      safe_divide, stable_down_patch)
+from .controllers import controllers
+from .families import Adapter
+from .hooks import HookScope, PatchError, WeightScope, hidden_arg, replace_hidden, rows
+from .patches import DIAG_KEYS, LayerPatch, Rank1, default_patch_dtype
 
 VARIANTS = ("naive", "stable")
 H_SOURCES = ("actual", "recorded")
 APPLY_MODES = ("materialized", "factored")
 
 
-class UnsupportedArchitectureError(ValueError):
-    """The model has no adapter in this engine; the message names the missing property."""
-
-
 @dataclass
-class GemmaLayerParts:
-    layer: torch.nn.Module
-    pre_ff: torch.nn.Module
-    gate: torch.nn.Linear
-    up: torch.nn.Linear
-    down: torch.nn.Linear
-    post_ff: torch.nn.Module
+class Targets:
+    """What the full-context pass recorded for one layer at the query position(s): (N, d) rows, model dtype
+    (``v`` in float64 for parallel blocks, where it is ``x + attn``)."""
 
+    x: torch.Tensor                       # layer input (residual stream)
+    v: torch.Tensor                       # v_C
+    z: torch.Tensor                       # z_C: the MLP input
+    out: torch.Tensor                     # the layer output
+    hidden: torch.Tensor | None = None    # the input of the MLP's last matrix (Gemma: act(W_gate z) * W_up z)
+    mlp_out: torch.Tensor | None = None   # the MLP output (Gemma: W_down h_gated, the post-norm input)
 
-class GemmaAdapter:
-    """The Gemma 2/3 instance of the controllability framework, for this fast engine.
-
-    The parts are located by ``controllability.BlockAdapter`` from the ``gemma2``/``gemma3`` family entries: v is the
-    input of ``pre_feedforward_layernorm``, the input controllers are ``gate_proj``/``up_proj``, and the output
-    controller is the post-feedforward RMSNorm scale ``m = 1 + weight``. Other families run through
-    ``architectures.run_algorithm1`` (the same patches, materialized by the generic ``ControlledPass``).
-    """
-
-    supported = ("gemma3_text", "gemma3", "gemma2")
-
-    def __init__(self, model):
-        from .controllability import BlockAdapter
-
-        self.model = model
-        mtype = getattr(model.config, "model_type", None)
-        if mtype not in self.supported:
-            raise UnsupportedArchitectureError(
-                f"model_type {mtype!r} ({type(model).__name__}) has no adapter in ctxpatch_lite's Gemma engine: it "
-                f"needs Gemma 2/3 decoder layers with an MLP (gate_proj, up_proj, down_proj) followed by a "
-                f"post_feedforward_layernorm whose trainable scale is the output-controllable parameter. "
-                f"Supported model types: {', '.join(self.supported)}. Other families (Llama, Mistral, Qwen, MoE, "
-                f"GPT-2, Falcon, GPT-J, OLMo 2) run through ctxpatch_lite.architectures.run_algorithm1")
-        blocks = BlockAdapter(model)
-        self.family = blocks.family
-        self.scale_offset = blocks.family.scale_offset
-        self.layers = [P.layer for P in blocks.parts]
-        self.parts = [GemmaLayerParts(P.layer, P.v_site, dict(P.inputs)["gate_proj"], dict(P.inputs)["up_proj"],
-                                      P.mlp.down_proj, P.output) for P in blocks.parts]
-        self.dtype = next(model.parameters()).dtype
-        self.norm_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        self.eps = float(self.parts[0].post_ff.eps)
+    # names of the first edition, kept for notebooks
+    @property
+    def x_in(self):
+        return self.x
 
     @property
-    def n_layers(self) -> int:
-        return len(self.parts)
+    def h_gated(self):
+        return self.hidden
 
-    def normalize(self, y: torch.Tensor) -> torch.Tensor:
-        """Unit-scale RMS normalisation N(y) in the norm's compute dtype, as Gemma's RMSNorm does it."""
-        return unit_rms(y.to(self.norm_dtype), self.eps)
+    @property
+    def h_down(self):
+        return self.mlp_out
 
-    def scale(self, l: int) -> torch.Tensor:
-        """The post-feedforward scale m = 1 + weight of layer l, in the norm dtype."""
-        return self.scale_offset + self.parts[l].post_ff.weight.to(self.norm_dtype)
-
-
-def unit_rms(y: torch.Tensor, eps: float) -> torch.Tensor:
-    """N(y) = y / sqrt(mean(y^2) + eps), in y's dtype: the unit-scale RMS normalisation every RMSNorm applies."""
-    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    def select(self, i) -> "Targets":
+        return Targets(**{k: None if v is None else v[i] for k, v in self.__dict__.items()})
 
 
-def last_row(t: torch.Tensor) -> torch.Tensor:
-    """The query position's vector: the last row of a (..., T, d) activation, as a 1-D tensor."""
-    return t.reshape(-1, t.shape[-1])[-1]
+def _site_hooks(P, st: dict, reg, take) -> None:
+    """Hooks that put this layer's input into ``st["x"]`` and its v into ``st["v"]`` (sequential: the input of
+    ``v_site``; parallel: x + attn, in float64), each passed through ``take``."""
+    reg(P.layer.register_forward_pre_hook(lambda m, a, k: st.__setitem__("x", take(hidden_arg(a, k))),
+                                          with_kwargs=True))
+    if P.v_site is not None:
+        reg(P.v_site.register_forward_pre_hook(lambda m, a: st.__setitem__("v", take(a[0]))))
+    else:
+        reg(P.attn.register_forward_hook(
+            lambda m, a, o: st.__setitem__("v", st["x"].to(torch.float64) + take(o).to(torch.float64))))
 
 
-def rmsnorm_eps(mod) -> float | None:
-    """The epsilon of an RMSNorm module (``eps`` in Gemma, ``variance_epsilon`` in Llama-style classes)."""
-    eps = getattr(mod, "eps", None)
-    return getattr(mod, "variance_epsilon", None) if eps is None else eps
+class Recorder(HookScope):
+    """Hooks that record ``Targets`` for every layer in a full-context forward of one sequence.
 
+    ``positions=None``: the last position (one row). A tensor of positions: one row per position (the batched
+    teacher-forced path)."""
 
-def rmsnorm_offset(mod) -> float:
-    """Gemma's RMSNorm scales by ``1 + weight``; Llama-style ones (Llama, Qwen, Mixtral, OLMo 2) by ``weight``."""
-    return 1.0 if type(mod).__name__.startswith("Gemma") else 0.0
+    def __init__(self, adapter: Adapter, positions: torch.Tensor | None = None):
+        super().__init__()
+        self.ad, self.positions, self.store = adapter, positions, {}
 
+    def _take(self, t):
+        r = rows(t)
+        return (r[-1:] if self.positions is None else r[self.positions.to(r.device)]).detach().clone()
 
-def _rmsnorm_norm_modules(model):
-    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and rmsnorm_eps(m) is not None]
+    def __enter__(self):
+        take = self._take
+        for l, P in enumerate(self.ad.parts):
+            s = self.store[l] = {}
+            _site_hooks(P, s, self.reg, take)
+            self.reg(P.mlp.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("z", take(a[0]))))
+            self.reg(P.mlp.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("mlp_out", take(o))))
+            if P.down is not None:
+                self.reg(P.down.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("hidden", take(a[0]))))
+            self.reg(P.layer.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("out", take(o))))
+        return self
 
-
-@contextlib.contextmanager
-def float64_norms(model):
-    """Recompute every RMSNorm in float64 when the model is float64 (transformers' classes upcast to float32 only).
-
-    Gemma-style norms scale by ``1 + weight``, the others by ``weight`` (``rmsnorm_offset``); a norm without a
-    trainable weight scales by 1.
-    """
-    handles = []
-
-    def hook(mod, args, out):
-        n = unit_rms(args[0].to(torch.float64), rmsnorm_eps(mod))
-        w = getattr(mod, "weight", None)
-        if w is not None:
-            n = n * (rmsnorm_offset(mod) + w.to(torch.float64))
-        return n.to(args[0].dtype)
-
-    if next(model.parameters()).dtype == torch.float64:
-        handles = [m.register_forward_hook(hook) for m in _rmsnorm_norm_modules(model)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@dataclass
-class LayerTargets:
-    """What the full-context pass recorded at the query position for one layer (1-D, model dtype)."""
-
-    x_in: torch.Tensor      # layer input (residual stream)
-    v: torch.Tensor         # v_C: after attention + residual
-    z: torch.Tensor         # z_C: MLP input (pre-feedforward norm output)
-    h_gated: torch.Tensor   # gated hidden act(W_gate z_C) * (W_up z_C)
-    h_down: torch.Tensor    # W_down h_gated
-    out: torch.Tensor       # layer output
+    def targets(self) -> list[Targets]:
+        return [Targets(**self.store[l]) for l in range(self.ad.n_layers)]
 
 
 @dataclass
 class LayerSpec:
-    """How one layer behaves in a patched pass.
+    """How one layer behaves in a patched pass: compute its patch from ``targets`` (with ``parts`` of {"input",
+    "output", "vanilla"}, the ``variant`` and ``h_source``), or apply the supplied ``patch``. ``oracle``: feed the
+    layer the recorded full-context input instead of the output of the layer below."""
 
-    parts: subset of {"input", "output", "vanilla"}: rank-1 gate/up patches, the output patch of the variant
-    (naive: dm; stable: W_down + dm), or the vanilla control (dv added to the down-projection output).
-    """
-
+    targets: Targets | None = None
     patch: LayerPatch | None = None
-    targets: LayerTargets | None = None
     parts: frozenset = frozenset({"input", "output"})
     variant: str = "naive"
     h_source: str = "actual"
-    ideal_input: torch.Tensor | None = None
+    oracle: bool = False
 
 
 @dataclass
-class PassRecord:
-    """What one patched pass produced. With N query rows (batched), ``rows[i]`` holds row i's patches."""
+class Site:
+    """One layer inside one pass: what a controller needs (see ``controllers.py``)."""
 
-    patches: dict = field(default_factory=dict)        # layer -> LayerPatch of row 0 (the only row when N = 1)
-    rows: list = field(default_factory=list)           # per query row: layer -> LayerPatch
-    outputs: dict = field(default_factory=dict)        # layer -> (N, d) output rows of the (patched) layer
+    l: int
+    P: object
+    pas: "PatchedPass"
+    spec: LayerSpec
+    patch: LayerPatch
+    st: dict = field(default_factory=dict)
+
+    @property
+    def ad(self):
+        return self.pas.ad
+
+    @property
+    def T(self):
+        return self.spec.targets
+
+    @property
+    def pdtype(self):
+        return self.pas.pdtype
+
+    @property
+    def materialized(self):
+        return self.pas.apply == "materialized"
+
+    @property
+    def computing(self):
+        return self.spec.patch is None
+
+    @property
+    def dv(self):
+        return self.patch.dv
+
+    def reg(self, handle):
+        self.pas.reg(handle)
+
+    def add(self, param, delta, index=None):
+        self.pas.add(param, delta, index)
+
+    def write_rank1(self, module, r1: Rank1):
+        dense = r1.dense()
+        self.pas.add(module.weight, dense.t() if self.ad.family.conv1d else dense)
+
+    def check(self, flag: torch.Tensor, message: str):
+        self.pas.checks.append((flag, message))
 
 
-def query_rows(t: torch.Tensor) -> torch.Tensor:
-    """(N, d) query rows of a (N, 1, d) activation (N independent one-token sequences; N = 1 step by step)."""
-    return t.reshape(-1, t.shape[-1])
+class PatchedPass(WeightScope):
+    """Context manager around one no-context forward of N one-token sequences (input shape (N, 1)).
 
+    ``with PatchedPass(adapter, {layer: LayerSpec}, apply) as pp: model(...)``; then ``pp.patches`` (layer ->
+    ``LayerPatch`` with N rows) and ``pp.outputs`` (layer -> (N, d) output rows)."""
 
-class HookScope:
-    """Base of the hook context managers: hooks registered into ``self._handles`` are all removed on exit."""
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        return False
-
-
-class WeightScope(HookScope):
-    """A ``HookScope`` that also writes patches into parameters (``_add``) and restores them bit for bit on exit,
-    also when the pass fails midway. Subclasses set ``pdtype`` and ``_saved = {}``."""
-
-    def _add(self, param: torch.nn.Parameter, delta: torch.Tensor, index=None) -> None:
-        """Materialize ``param[index] += delta``: computed in the patch dtype, stored in the model dtype (the cast)."""
-        if id(param) not in self._saved:
-            self._saved[id(param)] = (param, param.detach().clone())
-        with torch.no_grad():
-            view = param if index is None else param[index]
-            view.copy_((view.to(self.pdtype) + delta.to(self.pdtype)).to(param.dtype))
-
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        with torch.no_grad():
-            for param, orig in self._saved.values():
-                param.copy_(orig)
-        self._saved.clear()
-        return False
-
-
-class PatchHooks(WeightScope):
-    """Context manager: apply (and, where asked, compute) layer patches during one forward; restore on exit.
-
-    The forward it wraps runs N independent one-token sequences (input shape (N, 1)); targets in the specs are
-    (N, d) (or (d,) for N = 1). Each row gets its own patch, computed from that row's values in this very pass.
-    """
-
-    def __init__(self, adapter: GemmaAdapter, specs: dict, apply: str = "factored", pdtype: torch.dtype | None = None):
+    def __init__(self, adapter: Adapter, specs: dict, apply: str = "factored", pdtype: torch.dtype | None = None):
         if apply not in APPLY_MODES:
             raise ValueError(f"unknown apply mode {apply!r}; choose one of: {', '.join(APPLY_MODES)}")
-        self.ad = adapter
-        self.specs = specs
-        self.apply = apply
-        self.pdtype = pdtype or default_patch_dtype(adapter.dtype)
-        self.record = PassRecord()
-        self._handles = []
-        self._saved = {}          # id(param) -> (param, original clone)
-        self._built = {}          # layer -> LayerPatch being built (rows)
-
-    # -- bookkeeping -------------------------------------------------------------------------------------
-    def _write_rank1(self, lin: torch.nn.Linear, r1) -> None:
-        """Materialize ``W + dW`` for one (single-row) rank-1 patch."""
-        self._add(lin.weight, r1.row(0).dense())
-
-    def _write_scale(self, norm: torch.nn.Module, dm: torch.Tensor) -> None:
-        """Materialize ``w + dm`` for the post-feedforward norm scale."""
-        self._add(norm.weight, dm.reshape(-1))
+        super().__init__(pdtype or default_patch_dtype(adapter.dtype))
+        self.ad, self.specs, self.apply = adapter, specs, apply
+        self.patches: dict[int, LayerPatch] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.checks: list = []
 
     def __enter__(self):
         for l, spec in self.specs.items():
             self._install(l, spec)
-        return self.record
+        return self
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
         if exc[0] is None:
-            self._split_rows()
+            for p in self.patches.values():
+                p.finish()
+            if self.checks:
+                failed = torch.stack([f.reshape(()) for f, _ in self.checks]).tolist()
+                for bad, (_, msg) in zip(failed, self.checks):
+                    if bad:
+                        raise PatchError(msg)
         return False
 
-    def _split_rows(self):
-        if not self.specs:
-            return
-        n = max(t.shape[0] for t in self.record.outputs.values())
-        self.record.rows = [{} for _ in range(n)]
-        for l in self.specs:
-            built = self._built.get(l)
-            for i in range(n):
-                self.record.rows[i][l] = built.row(i) if built is not None else self.specs[l].patch
-        self.record.patches = dict(self.record.rows[0]) if self.record.rows else {}
-
-    # -- per layer -----------------------------------------------------------------------------------------
     def _install(self, l: int, spec: LayerSpec):
         P = self.ad.parts[l]
-        st = {}
-        if spec.patch is None and spec.targets is not None:
-            patch = self._built[l] = LayerPatch(layer=l, diagnostics=PatchDiagnostics(layer=l))
-            self._install_compute(l, spec, patch, st)
-        else:
-            patch = spec.patch
-            if self.apply == "materialized":
-                self._materialize_fixed(l, patch)
-
-        def layer_pre(mod, args, kwargs):
-            x = args[0]
-            return (spec.ideal_input.to(x.dtype).reshape(x.shape).contiguous(),) + args[1:], kwargs
-
-        def layer_post(mod, args, out):
-            self.record.outputs[l] = query_rows(out[0] if isinstance(out, tuple) else out).detach().clone()
-
-        if spec.ideal_input is not None:  # the ideal mode feeds the recorded full-context input
-            self._handles.append(P.layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
-        self._handles.append(P.layer.register_forward_hook(layer_post))
-        self._handles.append(P.pre_ff.register_forward_pre_hook(lambda mod, args: st.__setitem__("v", query_rows(args[0]))))
-        self._install_factored(l, patch)
-
-    def _install_compute(self, l, spec, patch, st):
-        P, ad, pd, T = self.ad.parts[l], self.ad, self.pdtype, spec.targets
-        diag = patch.diagnostics
-        if self.apply == "materialized" and T.v.dim() == 2 and T.v.shape[0] > 1:
+        if spec.patch is None and spec.targets is None:
+            raise ValueError(f"layer {l}: a LayerSpec needs targets (compute) or a patch (apply)")
+        if spec.patch is None and spec.variant == "stable" and P.kind not in ("scale", "moe") and "output" in spec.parts:
+            raise ValueError(f"variant 'stable' needs a trainable post-norm scale after the MLP (Appendix B); layer {l} "
+                             f"of this {self.ad.family.key} model has a {P.kind} output. Use variant='naive'")
+        patch = spec.patch or LayerPatch(layer=l, kind=P.kind)
+        s = Site(l, P, self, spec, patch)
+        self.patches[l] = patch
+        ctrl = (_supplied_controllers(P.kind, patch) if spec.patch is not None
+                else controllers(P.kind, spec.variant, spec.parts))
+        if spec.oracle:
+            self.reg(P.layer.register_forward_pre_hook(
+                lambda m, a, k: replace_hidden(a, k, spec.targets.x.to(hidden_arg(a, k).dtype)
+                                               .reshape(hidden_arg(a, k).shape).contiguous()), with_kwargs=True))
+        _site_hooks(P, s.st, self.reg, rows)
+        if spec.patch is None:
+            def at_mlp_input(mod, args):
+                z = rows(args[0])
+                pd = self.pdtype
+                patch.dv = spec.targets.v.to(pd) - s.st["v"].to(pd)
+                patch.diag.update(z_norm=z.to(pd).norm(dim=-1).to(torch.float64),
+                                  dv_norm=patch.dv.norm(dim=-1).to(torch.float64))
+                if "vanilla" in spec.parts:
+                    patch.vanilla = patch.dv
+                for c in ctrl:
+                    c.at_mlp_input(s, z)
+            self.reg(P.mlp.register_forward_pre_hook(at_mlp_input))
+        elif self.apply == "materialized":
+            if patch.n_rows() != 1:
+                raise ValueError("materialized patches need one query per pass; the batched path applies them "
+                                 "factored")
+            for c in ctrl:
+                c.materialize(s)
+        if self.apply == "materialized" and spec.patch is None and spec.targets.v.shape[0] > 1:
             raise ValueError("materialized patches need one query per pass; the batched path applies patches factored")
-
-        def at_mlp_input(mod, args):
-            z = query_rows(args[0])
-            patch.dv = T.v.to(pd) - st["v"].to(pd)
-            if "input" in spec.parts:
-                patch.gate = input_patch(P.gate.weight, z, T.z, pd, l, "W_gate")
-                patch.up = input_patch(P.up.weight, z, T.z, pd, l, "W_up")
-                if self.apply == "materialized":
-                    self._write_rank1(P.gate, patch.gate)
-                    self._write_rank1(P.up, patch.up)
-            if "vanilla" in spec.parts:
-                patch.down_bias = patch.dv
-
-        self._handles.append(P.gate.register_forward_pre_hook(at_mlp_input))
-
-        if "output" in spec.parts and spec.variant == "stable":
-            def at_down_input(mod, args):
-                hg = query_rows(args[0])
-                if spec.h_source == "actual":
-                    h_gated = hg.to(pd)
-                    h_down = torch.nn.functional.linear(h_gated, P.down.weight.to(pd))
-                else:
-                    h_gated = T.h_gated.to(pd).reshape(hg.shape)
-                    h_down = T.h_down.to(pd).reshape(hg.shape[0], -1)
-                m = ad.scale(l).to(pd)
-                st["g"] = patch.dv + m * ad.normalize(h_down).to(pd)
-                patch.down, st["h_target"], patch.rows_info = stable_down_patch(st["g"], m, h_down, h_gated, pd, diag)
-                if self.apply == "materialized":
-                    self._write_rank1(P.down, patch.down)
-
-            self._handles.append(P.down.register_forward_pre_hook(at_down_input))
-
-        if "output" in spec.parts:
-            def at_post_norm_input(mod, args):
-                y = query_rows(args[0])
-                m = ad.scale(l).to(pd)
-                if spec.variant == "naive":
-                    h = ad.normalize(y) if spec.h_source == "actual" else ad.normalize(T.h_down).reshape(y.shape)
-                    patch.h_den = h.to(pd)
-                    patch.dm = safe_divide(patch.dv, patch.h_den)[0]
-                else:
-                    h = ad.normalize(y) if spec.h_source == "actual" else ad.normalize(st["h_target"])
-                    patch.h_den = h.to(pd)
-                    patch.dm = safe_divide(st["g"] - m * patch.h_den, patch.h_den)[0]
-                if self.apply == "materialized":
-                    self._write_scale(P.post_ff, patch.dm)
-
-            self._handles.append(P.post_ff.register_forward_pre_hook(at_post_norm_input))
-
-    def _materialize_fixed(self, l, patch: LayerPatch):
-        P = self.ad.parts[l]
-        for r1, lin in ((patch.gate, P.gate), (patch.up, P.up), (patch.down, P.down)):
-            if r1 is not None:
-                self._write_rank1(lin, r1)
-        if patch.dm is not None:
-            self._write_scale(P.post_ff, patch.dm)
-
-    def _install_factored(self, l, patch: LayerPatch):
-        """Hooks that add rank-1 actions / the scale patch at run time (factored) and the vanilla bias (both)."""
-        P, ad = self.ad.parts[l], self.ad
-        factored = self.apply == "factored"
-
-        def lin_hook(name):
-            def fn(mod, args, out):
-                r1 = getattr(patch, name)
-                if factored and r1 is not None:
-                    out = out + r1.act(args[0]).to(out.dtype)
-                if name == "down" and patch.down_bias is not None:
-                    out = out + patch.down_bias.reshape(-1, 1, out.shape[-1]).to(out.dtype) \
-                        if patch.down_bias.dim() == 2 else out + patch.down_bias.to(out.dtype)
-                return out
-            return fn
-
-        for name, lin in (("gate", P.gate), ("up", P.up), ("down", P.down)):
-            self._handles.append(lin.register_forward_hook(lin_hook(name)))
-
-        if factored:
-            def post_norm(mod, args, out):
-                if patch.dm is None:
-                    return out
-                y = args[0]
-                dm = patch.dm.to(ad.norm_dtype)
-                dm = dm.reshape(-1, 1, dm.shape[-1]) if dm.dim() == 2 else dm
-                scale = ad.scale_offset + mod.weight.to(ad.norm_dtype) + dm
-                return (ad.normalize(y) * scale).to(y.dtype)
-
-            self._handles.append(P.post_ff.register_forward_hook(post_norm))
+        for c in ctrl:
+            c.install(s)
+        self.reg(P.mlp.register_forward_hook(
+            lambda m, a, o: o if patch.vanilla is None else _vanilla(o, patch.vanilla)))
+        def at_output(mod, args, out):
+            o = self.outputs[l] = rows(out).detach().clone()
+            if spec.targets is not None:   # the Theorem 1 check of this layer, as a tensor
+                ref = spec.targets.out.to(torch.float64)
+                patch.diag["block_error"] = ((o.to(torch.float64) - ref).abs().amax(-1)
+                                             / ref.abs().amax(-1).clamp_min(1e-300))
+        self.reg(P.layer.register_forward_hook(at_output))
 
 
-class TargetRecorder(HookScope):
-    """Hooks that record ``LayerTargets`` in a full-context forward of one sequence.
+def _vanilla(out, dv):
+    n = dv.shape[0]
+    return (out.reshape(n, -1, out.shape[-1]) + dv.to(out.dtype).unsqueeze(1)).reshape(out.shape)
 
-    ``positions=None``: the last position, as 1-D vectors. A list of positions: (N, d) rows at those positions
-    (the batched teacher-forced path, one row per query).
-    """
 
-    def __init__(self, adapter: GemmaAdapter, positions=None):
-        self.ad = adapter
-        self.positions = None if positions is None else torch.as_tensor(list(positions), dtype=torch.long)
-        self.store = {}
-        self._handles = []
+def _supplied_controllers(kind: str, patch: LayerPatch) -> list:
+    """The controllers that apply a supplied patch: whatever parts it holds."""
+    parts = set()
+    if patch.inputs:
+        parts.add("input")
+    if patch.output:
+        parts.add("output")
+    variant = "stable" if "down" in patch.output else "naive"
+    if kind == "moe" and not parts:
+        return []
+    return controllers(kind, variant, frozenset(parts | ({"input"} if kind == "moe" and parts else set())))
 
-    def __enter__(self):
-        self.store = {l: {} for l in range(self.ad.n_layers)}
-        if self.positions is None:
-            last = lambda t: last_row(t).detach().clone()  # noqa: E731
-        else:
-            pos = self.positions
-            last = lambda t: t.reshape(-1, t.shape[-1])[pos.to(t.device)].detach().clone()  # noqa: E731
-        for l, P in enumerate(self.ad.parts):
-            s = self.store[l]
-            reg = self._handles.append
-            reg(P.layer.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("x_in", last(a[0]))))
-            reg(P.layer.register_forward_hook(
-                lambda m, a, o, s=s: s.__setitem__("out", last(o[0] if isinstance(o, tuple) else o))))
-            reg(P.pre_ff.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("v", last(a[0]))))
-            reg(P.pre_ff.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("z", last(o))))
-            reg(P.down.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("h_gated", last(a[0]))))
-            reg(P.down.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("h_down", last(o))))
-        return self
 
-    def targets(self) -> list[LayerTargets]:
-        return [LayerTargets(**self.store[l]) for l in range(self.ad.n_layers)]
+def diag_rows(patches: dict, n: int) -> torch.Tensor:
+    """(n rows, layers, len(DIAG_KEYS)) float64 diagnostics of a pass, on the host: one transfer for all."""
+    if not patches:
+        return torch.zeros((n, 0, len(DIAG_KEYS)), dtype=torch.float64)
+    dev = next(iter(patches.values())).dv
+    dev = dev.device if dev is not None else "cpu"
+    m = torch.stack([patches[l].diag_matrix(n, dev) for l in sorted(patches)])   # (L, K, n)
+    return m.permute(2, 0, 1).cpu()

@@ -6,34 +6,105 @@ import torch
 from .models import resolve_dtype
 
 
-def tiny_gemma3_config(num_layers: int = 4, hidden: int = 64, intermediate: int = 128, heads: int = 4,
-                       kv_heads: int = 2, head_dim: int = 16, vocab: int = 96, sliding_window: int = 8):
-    from transformers import Gemma3TextConfig
-
-    return Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, query_pre_attn_scalar=head_dim,
-        sliding_window=sliding_window, max_position_embeddings=256, rms_norm_eps=1e-6,
-        layer_types=["sliding_attention" if (i + 1) % 3 else "full_attention" for i in range(num_layers)],
-        pad_token_id=0, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
-    )
+VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV, HEAD_DIM = 128, 64, 96, 3, 4, 2, 16
 
 
-def tiny_gemma3(seed: int = 0, dtype="float32", **config_kwargs):
-    """A seeded random ``Gemma3ForCausalLM``; norm scales are randomised too (the default init is all zeros)."""
-    from transformers import Gemma3ForCausalLM
+def _llama_like(cls_name, **extra):
+    def make(layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, intermediate=INTER, **over):
+        import transformers
+        kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM, max_position_embeddings=256,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+        kw.update(over)
+        return getattr(transformers, cls_name)(**kw)
+    return make
 
-    cfg = tiny_gemma3_config(**config_kwargs)
+
+def _gpt(cls_name, **extra):
+    def make(layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, intermediate=INTER, **over):
+        import transformers
+        kw = dict(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=HEADS, n_positions=256, n_inner=intermediate,
+                  bos_token_id=1, eos_token_id=2, **extra)
+        kw.update(over)
+        return getattr(transformers, cls_name)(**kw)
+    return make
+
+
+def _falcon(parallel: bool):
+    def make(layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, intermediate=None, **over):
+        import transformers
+        kw = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=HEADS,
+                  parallel_attn=parallel, alibi=False, new_decoder_architecture=False, bias=not parallel)
+        kw.update(over)
+        return transformers.FalconConfig(**kw)
+    return make
+
+
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
+CONFIGS = {
+    "gemma": _llama_like("GemmaConfig"),
+    "gemma2": _llama_like("Gemma2Config", query_pre_attn_scalar=HEAD_DIM, sliding_window=8),
+    "gemma3": _llama_like("Gemma3TextConfig", query_pre_attn_scalar=HEAD_DIM, sliding_window=8),
+    "llama": _llama_like("LlamaConfig"),
+    "mistral": _llama_like("MistralConfig", sliding_window=8),
+    "qwen2": _llama_like("Qwen2Config"),
+    "qwen3": _llama_like("Qwen3Config"),
+    "mixtral": _llama_like("MixtralConfig", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": _llama_like("Qwen2MoeConfig", num_experts=4, shared_expert_intermediate_size=64,
+                             norm_topk_prob=False, **_MOE),
+    "qwen3_moe": _llama_like("Qwen3MoeConfig", num_experts=4, norm_topk_prob=False, **_MOE),
+    "olmo2": _llama_like("Olmo2Config"),
+    "gpt2": _gpt("GPT2Config"),
+    "falcon-parallel": _falcon(True),
+    "falcon-sequential": _falcon(False),
+    "gptj": _gpt("GPTJConfig", rotary_dim=8),
+}
+
+
+def tiny_model(family: str, seed: int = 0, dtype="float64", **config):
+    """A seeded random-weight causal LM of ``family``'s own transformers class (3 layers, width 64, vocab 128 unless
+    ``config`` overrides ``layers``, ``vocab``, ``hidden``, ``intermediate`` or any config field).
+
+    Matrices get std ``fan_in**-0.5``, embeddings std 0.5, biases std 0.1 and every norm scale a random
+    ``1 + 0.3 * noise`` (a family whose norms scale by ``1 + weight`` stores the noise), so that no patch is
+    trivially zero.
+    """
+    import transformers
+
+    from .families import FAMILIES
+
+    if family not in CONFIGS:
+        raise ValueError(f"unknown family {family!r}; choose one of: {', '.join(CONFIGS)}")
+    cfg = CONFIGS[family](**config)
+    cls = getattr(transformers, FAMILIES[family].hf_class)
+    offset = FAMILIES[family].scale_offset
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(cfg)
+    model = cls(cfg)
+    if hasattr(model, "set_experts_implementation") and getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")  # the grouped_mm kernel has no float64; eager loops over experts
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "embed" in name else p.shape[-1] ** -0.5))
+        for mname, mod in model.named_modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                noise = torch.randn(p.shape, generator=gen)
+                if p.dim() >= 2:
+                    emb = any(k in mname for k in ("embed", "wte", "wpe", "word_embeddings"))
+                    p.copy_(noise * (0.5 if emb else p.shape[-1] ** -0.5))
+                elif pname == "bias":
+                    p.copy_(0.1 * noise)
+                else:  # a norm scale (LayerNorms scale by weight; the family's RMSNorms by offset + weight)
+                    p.copy_(0.3 * noise + (1.0 - (0.0 if isinstance(mod, torch.nn.LayerNorm) else offset)))
     model.to(resolve_dtype(dtype)).eval().requires_grad_(False)
+    model.ctxpatch_source = f"tiny-{family}(seed={seed})"
+    return model
+
+
+def tiny_gemma3(seed: int = 0, dtype="float32", num_layers: int = 4, vocab: int = 96, **config):
+    """A seeded random ``Gemma3ForCausalLM`` (4 layers, vocab 96: the ``tiny_tokenizer``'s), via ``tiny_model``."""
+    config.setdefault("layer_types", ["sliding_attention" if (i + 1) % 3 else "full_attention"
+                                      for i in range(num_layers)])
+    model = tiny_model("gemma3", seed=seed, dtype=dtype, layers=num_layers, vocab=vocab, intermediate=128,
+                       bos_token_id=2, eos_token_id=1, **config)
     model.ctxpatch_source = f"tiny-gemma3(seed={seed})"
     return model
 

@@ -1,124 +1,157 @@
-"""Patches as data, and the single-block update formulas (paper Theorem 1, Appendix B).
+"""Patches as data (paper Theorem 1, Section 5): rank-1 factors and vectors, one ``LayerPatch`` per layer.
 
-A ``Rank1`` holds ``dW = u z^T / ||z||^2`` by its factors; a ``LayerPatch`` holds one layer's rank-1 matrix patches,
-its post-norm scale patch ``dm`` (and, for the ``vanilla`` control only, an additive bias on the down projection),
-plus ``PatchDiagnostics``. Nothing here touches a model: ``engine.py`` applies patches.
+A ``Rank1`` holds ``dW = u z^T / ||z||^2`` by its factors, for N query rows at once (``u`` (N, out), ``z`` (N, in));
+MoE expert patches add an expert axis, (N, k, .). A ``LayerPatch`` holds one layer's patches for every family:
+
+* ``inputs``: name -> ``Rank1`` (``gate_proj``, ``up_proj``, ``c_fc``, ``router``, ``experts.gate_up``, ...);
+* ``output``: ``"scale"`` -> dm (N, d), ``"bias"`` -> db (N, d), ``"matrix"`` / ``"down"`` / ``"experts.down"`` ->
+  ``Rank1``;
+* ``vanilla``: the vanilla control's dv, added to the MLP output (no output patch);
+* ``diag``: name -> (N,) tensor, kept on the model's device until a step fetches them all at once.
 
 Precision: every formula runs in the *patch dtype* (float32 for float32/bfloat16 models, float64 for float64
-models, unless the caller overrides it). Inputs are cast to it on entry; the results stay in it. Where the patch is
-stored into a model (materialized mode) or added to a module output (factored mode), ``engine.py`` casts it to the
-model dtype, and says so.
+models, unless the caller overrides it); ``hooks.WeightScope`` holds the one rule that casts patches into weights.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import dataclass, field
 
 import torch
 
-from .stable import invert_rmsnorm
+from .hooks import PatchError
 
-
-class PatchError(ValueError):
-    """A patch cannot be built (e.g. ``z == 0``); the message names the layer and the condition."""
+DIAG_KEYS = ("z_norm", "dv_norm", "min_abs_h", "fallbacks", "hard_case", "iterations", "h_norm", "S",
+             "routing_match", "matrix_norm", "dm_l2", "dm_max_abs", "bias_l2", "block_error")
 
 
 @dataclass
 class Rank1:
-    """``dW = u z^T / ||z||^2``: ``dW x = u (z . x) / ||z||^2`` and, on ``z`` itself, ``dW z = u``.
-
-    ``u`` (out,) and ``z`` (in,) for one query; or (N, out) and (N, in) for N independent query rows, one patch
-    per row (the batched teacher-forced path).
-    """
+    """``dW = u z^T / ||z||^2``: ``dW x = u (z . x) / ||z||^2``; on ``z`` itself ``dW z = u``."""
 
     u: torch.Tensor
     z: torch.Tensor
 
-    @property
-    def z_norm2(self) -> torch.Tensor:
-        return (self.z * self.z).sum(-1)
-
     def act(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply ``dW`` to ``x`` (..., in) -> (..., out) in the patch dtype, without forming ``dW``.
-
-        With N rows, ``x`` is split into N groups along its leading dimensions (row i gets patch i).
-        """
+        """``dW x`` in the patch dtype without forming ``dW``; ``x`` (..., in) is split into N groups of rows along
+        its leading dimensions (row group i gets patch i)."""
         u2, z2 = self.u.reshape(-1, self.u.shape[-1]), self.z.reshape(-1, self.z.shape[-1])
         n = z2.shape[0]
         x3 = x.to(self.z.dtype).reshape(n, -1, x.shape[-1])
         coef = torch.einsum("nki,ni->nk", x3, z2) / (z2 * z2).sum(-1, keepdim=True)
         return (coef.unsqueeze(-1) * u2.unsqueeze(1)).reshape(*x.shape[:-1], u2.shape[-1])
 
-    def dense(self) -> torch.Tensor:
-        if self.u.dim() != 1:
-            raise ValueError("dense() needs a single-row patch; batched patches stay factored")
-        return torch.outer(self.u, self.z) / self.z_norm2
+    def dense(self, i: int = 0) -> torch.Tensor:
+        """Row ``i``'s dense ``dW`` (out, in)."""
+        u, z = self.u.reshape(-1, self.u.shape[-1])[i], self.z.reshape(-1, self.z.shape[-1])[i]
+        return torch.outer(u, z) / (z * z).sum()
+
+    def fro(self) -> torch.Tensor:
+        """||dW||_F = ||u|| / ||z|| per row (summed in quadrature over an expert axis), as an (N,) tensor."""
+        f2 = self.u.norm(dim=-1).pow(2) / self.z.norm(dim=-1).pow(2)
+        return (f2 if f2.dim() == 1 else f2.sum(-1)).sqrt()
 
     def row(self, i: int) -> "Rank1":
-        return self if self.u.dim() == 1 else Rank1(u=self.u[i], z=self.z[i])
-
-    @property
-    def frobenius(self) -> float:
-        return float(self.u.norm() / self.z.norm())
+        return Rank1(self.u[i:i + 1], self.z[i:i + 1])
 
 
-@dataclass
-class PatchDiagnostics:
-    layer: int
-    z_norm: float = float("nan")          # ||z|| of the no-context MLP input
-    min_abs_h: float = float("nan")       # smallest |h_i| divided by in the scale patch
-    fallbacks: int = 0                     # coordinates with h_i == 0 that divided by 1 instead (paper 4.1)
-    hard_case: bool = False                # App. B: no interior root of F(mu); handled
-    bisection_iterations: int = 0
-    dv_norm: float = float("nan")          # ||v_C - v||: what the output patch must absorb
-    gate_fro: float = 0.0
-    up_fro: float = 0.0
-    down_fro: float = 0.0
-    dm_l2: float = 0.0
-    dm_max_abs: float = 0.0
-    bias_l2: float = 0.0                   # vanilla control only
-
-    @property
-    def matrix_norm(self) -> float:
-        return float((self.gate_fro ** 2 + self.up_fro ** 2 + self.down_fro ** 2) ** 0.5)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["matrix_norm"] = self.matrix_norm
-        return d
+def _sel(t, i):
+    return t[i:i + 1] if isinstance(t, torch.Tensor) else t.row(i)
 
 
 @dataclass
 class LayerPatch:
     layer: int
-    gate: Rank1 | None = None
-    up: Rank1 | None = None
-    down: Rank1 | None = None
-    dm: torch.Tensor | None = None          # added to the post-feedforward norm scale m (Gemma: to `weight`)
-    down_bias: torch.Tensor | None = None   # vanilla control: dv added to the down-projection output
-    diagnostics: PatchDiagnostics = field(default_factory=lambda: PatchDiagnostics(layer=-1))
+    kind: str = "scale"
+    inputs: dict = field(default_factory=dict)
+    output: dict = field(default_factory=dict)
+    vanilla: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+    diag: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)   # MoE: the selected experts (N, k)
 
-    dv: torch.Tensor | None = None          # v_C - v this patch absorbs (rows while being built)
-    h_den: torch.Tensor | None = None       # what dm divided by
-    rows_info: list | None = None           # stable variant: per-row InversionResult
+    # -- views used by notebooks and tests ------------------------------------------------------------------
+    @property
+    def dm(self):
+        return self.output.get("scale")
 
-    def summary(self) -> dict:
-        return self.diagnostics.to_dict()
+    @property
+    def gate(self):
+        return self.inputs.get("gate_proj")
+
+    @property
+    def up(self):
+        return self.inputs.get("up_proj")
+
+    @property
+    def down(self):
+        return self.output.get("down")
+
+    def n_rows(self) -> int:
+        return self.dv.shape[0] if self.dv is not None else 1
 
     def row(self, i: int) -> "LayerPatch":
-        """Query row ``i`` of a patch built for N rows, as a 1-D patch with its own diagnostics."""
-        sel = lambda t: None if t is None else (t[i] if t.dim() == 2 else t)  # noqa: E731
-        diag = PatchDiagnostics(layer=self.layer)
-        p = LayerPatch(layer=self.layer, gate=self.gate.row(i) if self.gate else None,
-                       up=self.up.row(i) if self.up else None, down=self.down.row(i) if self.down else None,
-                       dm=sel(self.dm), down_bias=sel(self.down_bias), diagnostics=diag, dv=sel(self.dv),
-                       h_den=sel(self.h_den))
-        if p.h_den is not None:
-            diag.fallbacks, diag.min_abs_h = int((p.h_den == 0).sum()), float(p.h_den.abs().min())
-        if self.rows_info is not None:
-            diag.hard_case, diag.bisection_iterations = self.rows_info[i].hard_case, self.rows_info[i].iterations
-        if p.dv is not None:
-            diag.dv_norm = float(p.dv.norm())
-        return fill_norms(p)
+        """Query row ``i`` of a patch built for N rows, as a one-row patch."""
+        return LayerPatch(self.layer, self.kind, {k: _sel(v, i) for k, v in self.inputs.items()},
+                          {k: _sel(v, i) for k, v in self.output.items()},
+                          None if self.vanilla is None else self.vanilla[i:i + 1],
+                          None if self.dv is None else self.dv[i:i + 1],
+                          {k: v[i:i + 1] for k, v in self.diag.items()},
+                          {k: v[i:i + 1] for k, v in self.extra.items()})
+
+    def finish(self) -> "LayerPatch":
+        """Add the norm diagnostics (tensors; no host transfer)."""
+        mats = [(k, r) for k, r in list(self.inputs.items()) + list(self.output.items()) if isinstance(r, Rank1)]
+        if mats:
+            n = self.n_rows()
+            total = torch.zeros(n, dtype=torch.float64, device=mats[0][1].u.device)
+            for key, r in mats:
+                f2 = r.fro().to(torch.float64).pow(2)
+                if f2.shape[0] == n:
+                    total = total + f2
+                else:   # a MoE expert patch of one row: "expert{e}.row{i}.…"
+                    i = int(key.split(".row")[1].split(".")[0])
+                    total[i] = total[i] + f2[0]
+            self.diag["matrix_norm"] = total.sqrt()
+        if self.dm is not None:
+            self.diag["dm_l2"] = self.dm.norm(dim=-1).to(torch.float64)
+            self.diag["dm_max_abs"] = self.dm.abs().amax(-1).to(torch.float64)
+        if "bias" in self.output or self.vanilla is not None:
+            b = self.output.get("bias", self.vanilla)
+            self.diag["bias_l2"] = b.norm(dim=-1).to(torch.float64)
+        return self
+
+    def diag_matrix(self, n: int, device) -> torch.Tensor:
+        """(len(DIAG_KEYS), n) float64, NaN where a key does not apply."""
+        out = torch.full((len(DIAG_KEYS), n), math.nan, dtype=torch.float64, device=device)
+        for i, k in enumerate(DIAG_KEYS):
+            if k in self.diag:
+                out[i] = self.diag[k].to(device=device, dtype=torch.float64).reshape(-1)[:n]
+        return out
+
+    @property
+    def diagnostics(self) -> "Diagnostics":
+        """Row 0's diagnostics as Python numbers (one host transfer; for notebooks and tests, not hot paths)."""
+        vals = self.diag_matrix(1, self.dv.device if self.dv is not None else "cpu")[:, 0].tolist()
+        return Diagnostics(self.layer, dict(zip(DIAG_KEYS, vals)))
+
+
+class Diagnostics:
+    """Attribute access to one row's diagnostics: ``d.fallbacks``, ``d.min_abs_h``, ``d.dv_norm`` ..."""
+
+    def __init__(self, layer: int, values: dict):
+        self.layer, self._v = layer, values
+
+    def __getattr__(self, k):
+        v = self._v.get(k, math.nan)
+        if k in ("fallbacks", "iterations"):
+            return 0 if math.isnan(v) else int(v)
+        if k in ("hard_case", "routing_match"):
+            return False if math.isnan(v) else bool(v)
+        return v
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, **self._v}
 
 
 def default_patch_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -126,63 +159,35 @@ def default_patch_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if model_dtype == torch.float64 else torch.float32
 
 
-def input_patch(W: torch.Tensor, z: torch.Tensor, z_C: torch.Tensor, pdtype: torch.dtype, layer: int = -1,
-                name: str = "W") -> Rank1:
-    """Eqs. 2-3: ``dW = W (z_C - z) z^T / ||z||^2`` so that ``(W + dW) z = W z_C``. ``z``: (in,) or (N, in)."""
+def input_patch(W: torch.Tensor, z: torch.Tensor, z_C: torch.Tensor, pdtype: torch.dtype) -> Rank1:
+    """Eqs. 2-3: ``dW = W (z_C - z) z^T / ||z||^2`` so that ``(W + dW) z = W z_C``; ``z`` (N, in) rows, ``W``
+    (out, in). Needs ``z != 0`` (checked by ``zero_rows``)."""
     z_p = z.to(pdtype)
-    if not bool((z_p != 0).any(-1).all()):
-        raise PatchError(f"layer {layer}: the MLP input z is the zero vector, so the rank-1 patch of {name} "
-                         f"(dW = W (z_C - z) z^T / ||z||^2) does not exist; Theorem 1 requires z != 0")
-    u = torch.nn.functional.linear(z_C.to(pdtype) - z_p, W.to(pdtype))  # = W (z_C - z), row by row
+    u = torch.nn.functional.linear(z_C.to(pdtype) - z_p, W.to(pdtype))   # = W (z_C - z), row by row
     return Rank1(u=u, z=z_p)
 
 
-def safe_divide(num: torch.Tensor, den: torch.Tensor) -> tuple[torch.Tensor, int, float]:
+def zero_rows(t: torch.Tensor) -> torch.Tensor:
+    """True where a row is the zero vector (a 0-d bool tensor: any row), for the deferred condition checks."""
+    return (t == 0).all(-1).any()
+
+
+def check_input_patch(z: torch.Tensor, layer: int, name: str = "W") -> None:
+    """The immediate (host-synchronising) form of the ``z != 0`` condition, for callers outside a pass."""
+    if bool(zero_rows(z)):
+        raise PatchError(z_zero_message(layer, name))
+
+
+def z_zero_message(layer: int, name: str) -> str:
+    return (f"layer {layer}: the MLP input z is the zero vector, so the rank-1 patch of {name} "
+            f"(dW = W (z_C - z) z^T / ||z||^2) does not exist; Theorem 1 requires z != 0")
+
+
+def safe_divide(num: torch.Tensor, den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``num / den`` elementwise, dividing by 1 where ``den == 0`` exactly (the paper's NaN guard).
 
-    Returns the quotient, the number of fallback coordinates, and min |den|.
+    Returns the quotient, the number of fallback coordinates per row and min |den| per row (tensors).
     """
     zero = den == 0
-    n_fallback = int(zero.sum())
     q = num / torch.where(zero, torch.ones_like(den), den)
-    return q, n_fallback, float(den.abs().min())
-
-
-def stable_down_patch(g: torch.Tensor, m: torch.Tensor, h_down: torch.Tensor, h_gated: torch.Tensor,
-                      pdtype: torch.dtype, diag: PatchDiagnostics) -> tuple[Rank1, torch.Tensor, list]:
-    """Appendix B steps 1-2: invert the RMSNorm for the target ``g`` and patch ``W_down`` by rank 1.
-
-    Rows (N, d) are inverted one by one, each in float64. Returns the down-projection patch, ``h_target`` (in
-    ``pdtype``) and the per-row ``InversionResult`` list.
-    """
-    g2, hd2 = g.reshape(-1, g.shape[-1]).to(torch.float64), h_down.reshape(-1, h_down.shape[-1]).to(torch.float64)
-    m64 = m.to(torch.float64)
-    targets, infos = [], []
-    for gi, hdi in zip(g2, hd2):
-        t, res = invert_rmsnorm(gi, m64, float(hdi.pow(2).mean().sqrt()))
-        targets.append(t)
-        infos.append(res)
-    h_target64 = torch.stack(targets).reshape(h_down.shape)
-    diag.hard_case = any(r.hard_case for r in infos)
-    diag.bisection_iterations = max(r.iterations for r in infos)
-    hg = h_gated.to(pdtype)
-    if not bool((hg != 0).any(-1).all()):
-        raise PatchError(f"layer {diag.layer}: the gated MLP hidden is the zero vector; the rank-1 W_down patch "
-                         f"of Appendix B needs h_gated != 0")
-    down = Rank1(u=(h_target64 - h_down.to(torch.float64)).to(pdtype), z=hg)
-    return down, h_target64.to(pdtype), infos
-
-
-def fill_norms(p: LayerPatch) -> LayerPatch:
-    d = p.diagnostics
-    d.gate_fro = p.gate.frobenius if p.gate is not None else 0.0
-    d.up_fro = p.up.frobenius if p.up is not None else 0.0
-    d.down_fro = p.down.frobenius if p.down is not None else 0.0
-    if p.dm is not None:
-        d.dm_l2 = float(p.dm.norm())
-        d.dm_max_abs = float(p.dm.abs().max())
-    if p.down_bias is not None:
-        d.bias_l2 = float(p.down_bias.norm())
-    if p.gate is not None:
-        d.z_norm = float(p.gate.z.norm())
-    return p
+    return q, zero.sum(-1).to(torch.float64), den.abs().amin(-1).to(torch.float64)

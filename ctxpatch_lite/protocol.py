@@ -14,8 +14,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .algorithm import Algorithm1, PatchConfig
+from .engine import diag_rows
 from .metrics import aggregate, compare_logits
 from .models import dtype_name
+from .patches import DIAG_KEYS
+
+SCHEMA_VERSION = 2
 
 
 class PromptError(ValueError):
@@ -42,33 +46,40 @@ def encode_prompt(tokenizer, prompt: str, chat_template: bool = False) -> list[i
     return ids
 
 
-def step_diagnostics(patches: dict) -> dict:
-    """Aggregate the per-layer patch diagnostics of one query (layer -> LayerPatch), plus per-layer lists."""
-    ds = [p.diagnostics for _, p in sorted(patches.items())]
-    if not ds:
+def step_diagnostics(layers: list[int], diag: list[list[float]]) -> dict:
+    """Aggregate one query's per-layer diagnostics (``layers`` and their rows of ``DIAG_KEYS`` values, already on
+    the host), plus per-layer lists. NaN marks a quantity a layer's patch does not have."""
+    if not layers:
         return {"patched_layers": 0}
+    col = {k: [row[i] for row in diag] for i, k in enumerate(DIAG_KEYS)}
     finite = lambda xs: [x for x in xs if not math.isnan(x)]  # noqa: E731
-    min_h = finite([d.min_abs_h for d in ds])
-    return {
-        "patched_layers": len(ds),
-        "min_abs_h": min(min_h) if min_h else float("nan"),
-        "fallbacks": sum(d.fallbacks for d in ds),
-        "hard_cases": sum(bool(d.hard_case) for d in ds),
-        "min_z_norm": min(finite([d.z_norm for d in ds]) or [float("nan")]),
-        "matrix_norm": math.sqrt(sum(d.matrix_norm ** 2 for d in ds)),
-        "dm_norm": math.sqrt(sum(d.dm_l2 ** 2 for d in ds)),
-        "dm_max_abs": max(d.dm_max_abs for d in ds),
+    zero_nan = lambda xs: [0.0 if math.isnan(x) else x for x in xs]  # noqa: E731
+    out = {
+        "patched_layers": len(layers),
+        "min_abs_h": min(finite(col["min_abs_h"]), default=float("nan")),
+        "fallbacks": int(sum(zero_nan(col["fallbacks"]))),
+        "hard_cases": int(sum(zero_nan(col["hard_case"]))),
+        "min_z_norm": min(finite(col["z_norm"]), default=float("nan")),
+        "matrix_norm": math.sqrt(sum(x * x for x in zero_nan(col["matrix_norm"]))),
+        "dm_norm": math.sqrt(sum(x * x for x in zero_nan(col["dm_l2"]))),
+        "dm_max_abs": max(zero_nan(col["dm_max_abs"])),
+        "max_block_error": max(finite(col["block_error"]), default=float("nan")),
         "per_layer": {
-            "layer": [d.layer for d in ds],
-            "dv_norm": [d.dv_norm for d in ds],
-            "matrix_norm": [d.matrix_norm for d in ds],
-            "dm_l2": [d.dm_l2 for d in ds],
-            "dm_max_abs": [d.dm_max_abs for d in ds],
-            "min_abs_h": [d.min_abs_h for d in ds],
-            "fallbacks": [d.fallbacks for d in ds],
-            "hard_case": [bool(d.hard_case) for d in ds],
+            "layer": list(layers),
+            "dv_norm": col["dv_norm"],
+            "matrix_norm": zero_nan(col["matrix_norm"]),
+            "dm_l2": zero_nan(col["dm_l2"]),
+            "dm_max_abs": zero_nan(col["dm_max_abs"]),
+            "min_abs_h": col["min_abs_h"],
+            "fallbacks": [int(x) for x in zero_nan(col["fallbacks"])],
+            "hard_case": [bool(x) for x in zero_nan(col["hard_case"])],
+            "block_error": col["block_error"],
         },
     }
+    if finite(col["S"]):
+        out["min_S"] = min(finite(col["S"]))
+        out["routing_match"] = all(bool(x) for x in finite(col["routing_match"]))
+    return out
 
 
 def environment(model=None) -> dict:
@@ -111,6 +122,9 @@ def greedy_baseline(model, prompt_ids: list[int], n_tokens: int) -> list[int]:
 def summarize(steps: list[dict]) -> dict:
     """``aggregate`` of the metrics plus the patch-condition totals, over any list of step records."""
     summary = aggregate(steps)
+    reused = [s for s in steps if s.get("reused")]
+    if reused:  # the fixed schedule: step 0 is freshly patched, later steps reuse its patches
+        summary["reused"] = aggregate(reused)
     diag = [s["diagnostics"] for s in steps]
     summary.update({
         "fallbacks_total": sum(d.get("fallbacks", 0) for d in diag),
@@ -146,6 +160,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     ids += [s["next_token"] for s in steps]  # both continued on the baseline's token
     summary = summarize(steps)
     return {
+        "schema_version": SCHEMA_VERSION,
         "prompt": prompt,
         "prompt_ids": prompt_ids,
         "prompt_encoding": "chat_template" if chat_template else "plain (tokenizer(prompt), with BOS)",
@@ -162,6 +177,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
             "patch_dtype": alg.patch_dtype_name,
             "model": getattr(model, "ctxpatch_source", type(model).__name__),
             "model_class": type(model).__name__,
+            "family": alg.adapter.family.key,
             "dtype": dtype_name(alg.adapter.dtype),
             "device": str(alg.device),
             "n_layers": alg.adapter.n_layers,
@@ -172,10 +188,10 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     }
 
 
-def _step_record(step, position, query, base_logits, patched_logits, patches, tokenizer) -> dict:
+def _step_record(step, position, query, base_logits, patched_logits, layers, diag, tokenizer) -> dict:
     rec = {"step": step, "position": position, "query_token": query}
     rec.update(compare_logits(base_logits, patched_logits))
-    rec["diagnostics"] = step_diagnostics(patches)
+    rec["diagnostics"] = step_diagnostics(layers, diag)
     if tokenizer is not None:
         rec["baseline_text"] = tokenizer.decode([rec["baseline_token"]])
         rec["patched_text"] = tokenizer.decode([rec["patched_token"]])
@@ -186,11 +202,15 @@ def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc
     """Step by step: one KV-cached full-context decode step (targets) and one patched pass per token."""
     ids, steps = list(prompt_ids), []
     logits, targets, cache = alg.full_context(ids)
-    for step in tqdm(range(n_tokens), desc=desc or f"{alg.config.mode}/{alg.config.variant}", disable=not progress,
+    for step in tqdm(range(n_tokens), desc=desc or f"{alg.config.label}/{alg.config.variant}", disable=not progress,
                      leave=False):
         q_logits, record = alg.patched(ids[-1], len(ids) - 1, targets)
-        rec = _step_record(step, len(ids) - 1, ids[-1], logits, q_logits, record.patches, tokenizer)
+        layers = sorted(record.patches)
+        rec = _step_record(step, len(ids) - 1, ids[-1], logits, q_logits, layers,
+                           diag_rows(record.patches, 1)[0].tolist(), tokenizer)
         rec["next_token"] = rec["baseline_token"]
+        if getattr(record, "reused", False):
+            rec["reused"] = True
         steps.append(rec)
         ids.append(rec["baseline_token"])  # both continue on the baseline's token
         if step < n_tokens - 1:
@@ -209,10 +229,24 @@ def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, d
     seq = list(prompt_ids) + gen[:-1]
     positions = list(range(len(prompt_ids) - 1, len(seq)))
     base, patched, record, _ = alg.batched(seq, positions)
+    layers = sorted(record.patches)
+    diag = diag_rows(record.patches, len(positions)).tolist()
     steps = []
     for i, p in enumerate(tqdm(positions, desc=desc or "batched", disable=not progress, leave=False)):
-        rec = _step_record(i, p, seq[p], base[i], patched[i], record.rows[i] if record.rows else {}, tokenizer)
+        rec = _step_record(i, p, seq[p], base[i], patched[i], layers, diag[i], tokenizer)
         rec["next_token"] = gen[i]
         rec["baseline_argmax_differs"] = rec["baseline_token"] != gen[i]
         steps.append(rec)
     return steps
+
+
+def upgrade_record(rec: dict) -> dict:
+    """A run record of any schema version, read as this one: a first-edition ``config.mode`` becomes
+    (``schedule``, ``parts``), its ``ideal`` becoming ``oracle`` (what it did)."""
+    cfg = rec.get("config", {})
+    if "mode" in cfg and "schedule" not in cfg:
+        from .algorithm import from_legacy_mode
+        rec = {**rec, "config": {**cfg}}
+        rec["config"]["schedule"], rec["config"]["parts"] = from_legacy_mode(cfg["mode"])
+    rec.setdefault("schema_version", 1)
+    return rec

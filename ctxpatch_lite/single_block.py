@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import GemmaAdapter, LayerSpec, PatchHooks, TargetRecorder, float64_norms
+from .algorithm import Algorithm1, PatchConfig
+from .engine import LayerSpec, PatchedPass
+from .families import Adapter
+from .hooks import float64_norms
 from .metrics import relative_error
 from .patches import Rank1
 
@@ -54,49 +57,46 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
     ``parts=("input", "vanilla")`` builds the predecessor's vanilla-block recipe instead (dv added before the
     post-norm); then ``dm`` is None and ``rel_error`` shows how far it misses.
     """
-    ad = GemmaAdapter(model)
+    alg = Algorithm1(model, PatchConfig(schedule="oracle", apply=apply))
+    ad = alg.adapter
     if not 0 <= layer < ad.n_layers:
         raise ValueError(f"layer {layer} out of range 0..{ad.n_layers - 1}")
-    dev = next(model.parameters()).device
-    ids = torch.as_tensor(input_ids, device=dev).reshape(1, -1)
-    if ids.shape[1] < 2:
+    ids = list(torch.as_tensor(input_ids).reshape(-1).tolist())
+    if len(ids) < 2:
         raise ValueError("input_ids needs a context before the query token (at least 2 tokens)")
-    with float64_norms(model), TargetRecorder(ad) as rec:
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    T = rec.targets()[layer]
-    q = ids[:, -1:]
-    pos = torch.tensor([[ids.shape[1] - 1]], device=dev)
+    _, targets, _ = alg.full_context(ids)
+    T = targets[layer].select(0)
+    q = torch.tensor([[ids[-1]]], device=alg.device)
+    pos = torch.tensor([[len(ids) - 1]], device=alg.device)
+    P = ad.parts[layer]
 
     def run(parts):
-        spec = LayerSpec(targets=T, parts=frozenset(parts), ideal_input=T.x_in)
-        hooks = PatchHooks(ad, {layer: spec}, apply=apply)
-        captured = {}
-        with float64_norms(model), hooks as record:  # capture hooks go last, so they see the float64 norm outputs
-            P = ad.parts[layer]
-            extra = [P.pre_ff.register_forward_pre_hook(lambda m, a: captured.__setitem__("v", a[0][0, -1].clone())),
-                     P.pre_ff.register_forward_hook(lambda m, a, o: captured.__setitem__("z", o[0, -1].clone())),
-                     P.post_ff.register_forward_pre_hook(
-                         lambda m, a: captured.__setitem__("h", ad.normalize(a[0][0, -1]).clone()))]
+        spec = LayerSpec(targets=targets[layer], parts=frozenset(parts), oracle=True)
+        pp, got = PatchedPass(ad, {layer: spec}, apply=apply), {}
+        with alg.norms(), pp:   # capture hooks go last, so they see the float64 norm outputs
+            extra = [P.v_site.register_forward_pre_hook(lambda m, a: got.__setitem__("v", a[0][0, -1].clone())),
+                     P.mlp.register_forward_pre_hook(lambda m, a: got.__setitem__("z", a[0][0, -1].clone())),
+                     P.output.register_forward_pre_hook(
+                         lambda m, a: got.__setitem__("h", ad.normalize(a[0][0, -1], P.output).clone()))]
             try:
                 model(input_ids=q, position_ids=pos, use_cache=False, logits_to_keep=1)
             finally:
                 for h in extra:
                     h.remove()
-        return record, captured
+        return pp, got
 
     rec0, cap0 = run(())
     rec1, cap1 = run(tuple(parts))
     p = rec1.patches[layer]
-    sv = {}
-    for name, r1 in (("gate", p.gate), ("up", p.up)):
-        sv[name] = torch.linalg.svdvals(r1.dense().to(torch.float64))[:4].tolist()
-    out_t, out_p, out_u = T.out, rec1.outputs[layer], rec0.outputs[layer]
+    sv = {name: torch.linalg.svdvals(r1.dense().to(torch.float64)).cpu()[:4].tolist()
+          for name, r1 in (("gate", p.gate), ("up", p.up))}
+    out_t, out_p, out_u = T.out, rec1.outputs[layer][0], rec0.outputs[layer][0]
+    d = p.diagnostics
     return SingleBlockResult(
-        layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"], gate=p.gate, up=p.up, dm=p.dm, out_target=out_t, out_patched=out_p, out_unpatched=out_u,
+        layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"], gate=p.gate.row(0), up=p.up.row(0),
+        dm=None if p.dm is None else p.dm[0], out_target=out_t, out_patched=out_p, out_unpatched=out_u,
         rel_error=relative_error(out_p, out_t), unpatched_rel_error=relative_error(out_u, out_t),
-        singular_values=sv,
-        fallbacks=p.diagnostics.fallbacks, min_abs_h=p.diagnostics.min_abs_h)
-
+        singular_values=sv, fallbacks=d.fallbacks, min_abs_h=d.min_abs_h)
 
 
 @torch.no_grad()
@@ -105,13 +105,13 @@ def normalized_mlp_outputs(model, input_ids) -> torch.Tensor:
 
     In exact arithmetic these are the values the scale patch divides by (the patched layer reproduces them).
     """
-    ad = GemmaAdapter(model)
+    ad = Adapter(model)
     got = []
-    hooks = [P.post_ff.register_forward_pre_hook(lambda m, a: got.append(ad.normalize(a[0][0]).abs().double()))
-             for P in ad.parts]
+    hooks = [P.output.register_forward_pre_hook(
+        lambda m, a, P=P: got.append(ad.normalize(a[0][0], P.output).abs().double())) for P in ad.parts]
     try:
         ids = torch.as_tensor(input_ids, device=next(model.parameters()).device).reshape(1, -1)
-        with float64_norms(model):
+        with float64_norms(model, ad.family.scale_offset):
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
     finally:
         for h in hooks:

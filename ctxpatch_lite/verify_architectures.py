@@ -16,7 +16,7 @@ import os
 import sys
 
 from .architectures import FLOAT64_TOLERANCE, meets_target, verify_embedded, verify_family
-from .controllability import FAMILIES
+from .families import FAMILIES
 from .models import DTYPES
 
 
@@ -28,13 +28,15 @@ def passes(row) -> bool:
 
 def format_table(rows) -> str:
     head = ("family", "class", "block", "input patch", "output patch", "dtype", "single block", "block err", "match",
-            "L_inf med", "L_inf last",
+            "L_inf med", "L_inf last", "materialized", "batched", "stable",
             "fallbacks", "unpatched match", "unpatched L_inf", "routing", "weights")
     lines = [head]
     for r in rows:
         lines.append((r.family, r.hf_class, r.block, r.input_patch, r.output_patch, r.dtype,
                       f"{r.single_block_rel_error:.1e}", f"{r.max_block_rel_error:.1e}", r.token_match,
-                      f"{r.linf_median:.1e}", f"{r.linf_last:.1e}", str(r.fallbacks),
+                      f"{r.linf_median:.1e}", f"{r.linf_last:.1e}", r.materialized_token_match,
+                      r.batched_token_match + ("" if r.batched_same_tokens else " (tokens differ)"),
+                      r.stable_token_match, str(r.fallbacks),
                       r.none_token_match, f"{r.none_linf_median:.1e}", r.routing, r.weights))
     widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) for c, w in zip(l, widths)).rstrip() for l in lines]

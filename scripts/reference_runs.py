@@ -36,13 +36,15 @@ def grid(sets=("main", "sweep")):
                                                               ("materialized", "factored"), ("actual", "recorded")):
         yield dtype, PatchConfig(variant=variant, apply=apply, h_source=h_source)
     for dtype in ("float32", "bfloat16"):
-        for mode in ("ideal", "fixed", "none", "input-only", "vanilla"):
-            yield dtype, PatchConfig(mode=mode)
+        for schedule in ("ideal", "oracle", "fixed"):
+            yield dtype, PatchConfig(schedule=schedule)
+        for parts in ("none", "input-only", "vanilla"):
+            yield dtype, PatchConfig(parts=parts)
 
 
 def name_of(dtype, c: PatchConfig) -> str:
-    if c.mode != "selfcorrect":
-        return f"{dtype}-{c.mode}"
+    if c.schedule != "selfcorrect" or c.parts != "full":
+        return f"{dtype}-{c.label}"
     if c.start_layer:
         return f"{dtype}-{c.variant}-start{c.start_layer:02d}"
     return f"{dtype}-{c.variant}-{c.apply}-{c.h_source}"
@@ -106,7 +108,7 @@ def write_summary(out: Path):
         norms = {k: median([s["diagnostics"].get(k, 0.0) for s in steps]) for k in ("matrix_norm", "dm_norm",
                                                                                    "dm_max_abs")}
         rows.append({"name": rec["name"], "dtype": c["dtype"], **{k: c[k] for k in ("variant", "start_layer",
-                     "h_source", "apply", "mode", "patch_dtype")}, **rec["summary"],
+                     "h_source", "apply", "schedule", "parts", "patch_dtype")}, **rec["summary"],
                      **{f"median_{k}": v for k, v in norms.items()}, "seconds": rec["seconds"]})
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     lines = ["| configuration | token match (count) | median L∞ | max L∞ | median TVD | max TVD | fallbacks | hard cases |",

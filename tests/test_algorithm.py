@@ -4,7 +4,7 @@ import torch
 
 from conftest import CONTEXT_IDS, assert_bit_identical, snapshot
 from ctxpatch_lite.algorithm import MODES, Algorithm1, PatchConfig
-from ctxpatch_lite.engine import UnsupportedArchitectureError
+from ctxpatch_lite.hooks import UnsupportedArchitectureError
 from ctxpatch_lite.metrics import compare_logits
 from ctxpatch_lite.patches import PatchError
 from ctxpatch_lite.protocol import run_protocol
@@ -116,8 +116,13 @@ def test_unsupported_architecture_names_missing_property():
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
-    with pytest.raises(UnsupportedArchitectureError, match="post_feedforward_layernorm"):
-        Algorithm1(LlamaForCausalLM(cfg))
+    llama = LlamaForCausalLM(cfg)
+    Algorithm1(llama)  # the one engine runs every registered family
+    with pytest.raises(ValueError, match="variant 'stable' needs a trainable post-norm scale"):
+        Algorithm1(llama, PatchConfig(variant="stable"))
+    cfg.model_type = "bert"
+    with pytest.raises(UnsupportedArchitectureError, match="model_type 'bert' has no adapter"):
+        Algorithm1(llama)
 
 
 @pytest.mark.real

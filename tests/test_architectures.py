@@ -1,84 +1,94 @@
-"""The controllability framework on every family (paper Section 5, Table 1), its error paths, Appendix D and E."""
+"""The one engine on every family (paper Section 5, Table 1): exactness on every path, error paths, Appendix D/E."""
 import json
 
 import pytest
 import torch
 
-from ctxpatch_lite.architectures import (algorithm1_step, run_algorithm1, single_block_errors, tiny_model,
-                                         verify_family)
-from ctxpatch_lite.controllability import (FAMILIES, BlockAdapter, BlockRecorder, ControlledPass,
-                                           UnsupportedArchitectureError, family_of)
-from ctxpatch_lite.engine import float64_norms
+from ctxpatch_lite.algorithm import Algorithm1, PatchConfig
+from ctxpatch_lite.architectures import algorithm1_step, single_block_errors, tiny_model, verify_family
+from ctxpatch_lite.engine import LayerSpec, PatchedPass
+from ctxpatch_lite.families import FAMILIES, Adapter, family_of
+from ctxpatch_lite.hooks import UnsupportedArchitectureError
 from ctxpatch_lite.patches import PatchError
+from ctxpatch_lite.protocol import run_protocol
 
 from conftest import assert_bit_identical, snapshot
 
 PROMPT = [5, 17, 33, 8, 90, 41, 12]
 
 
+def run(model, n_tokens, batched=False, **cfg):
+    r = run_protocol(model, prompt_ids=PROMPT, n_tokens=n_tokens, config=PatchConfig(**cfg), progress=False,
+                     batched=batched)
+    r["max_block_error"] = max(s["diagnostics"].get("max_block_error", 0.0) for s in r["steps"])
+    return r
+
+
+def paths(model):
+    """Every way the engine can run Algorithm 1 on this model's family."""
+    out = {"factored": {}, "materialized": {"apply": "materialized"}, "batched": {"batched": True}}
+    if Adapter(model).stable_ok:
+        out["stable"] = {"variant": "stable"}
+        out["stable-batched"] = {"variant": "stable", "batched": True}
+    return out
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_float64_algorithm1_is_exact_and_restores_weights(family):
+def test_float64_algorithm1_is_exact_on_every_path_and_restores_weights(family):
     model = tiny_model(family, dtype="float64")
     snap = snapshot(model)
-    res = run_algorithm1(model, PROMPT, n_tokens=4)
-    assert res["matches"] == res["tokens"] == 4
-    assert res["max_block_error"] <= 1e-10
-    assert res["linf_max"] <= 1e-10
-    assert res["none_linf_median"] > 1e-3          # the context matters: the unpatched control is far off
-    assert res["fallbacks"] == 0
+    for name, kw in paths(model).items():
+        res = run(model, 4, **kw)
+        assert res["summary"]["n_match"] == res["n_tokens"] == 4, name
+        assert res["max_block_error"] <= 1e-10, (name, res["max_block_error"])
+        assert res["summary"]["linf_max"] <= 1e-10, name
+        assert res["summary"]["fallbacks_total"] == 0
+    none = run(model, 4, parts="none")
+    assert none["summary"]["linf_median"] > 1e-3          # the context matters: the unpatched control is far off
     single = single_block_errors(model, PROMPT)
     assert len(single) == model.config.num_hidden_layers and max(single) <= 1e-10
     assert_bit_identical(model, snap)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_float32_token_match(family):
-    res = run_algorithm1(tiny_model(family, dtype="float32"), PROMPT, n_tokens=3)
-    assert res["matches"] == 3
-    assert res["linf_max"] < 1e-4
+def test_float32_token_match_on_every_path(family):
+    model = tiny_model(family, dtype="float32")
+    loop = run(model, 3)
+    for name, kw in paths(model).items():
+        res = run(model, 3, **kw)
+        assert res["summary"]["n_match"] == 3 and res["summary"]["linf_max"] < 1e-4, name
+        assert [s["patched_token"] for s in res["steps"]] == [s["patched_token"] for s in loop["steps"]], name
 
 
 def test_patches_are_rank1_with_conv1d_layout_handled():
     model = tiny_model("gpt2")
-    ad = BlockAdapter(model)
-    *_, patches = algorithm1_step(model, ad, PROMPT)
+    *_, patches = algorithm1_step(model, PROMPT)
     r1 = patches[0].inputs["c_fc"]
     s = torch.linalg.svdvals(r1.dense())
     assert s[1] <= 1e-12 * s[0]
-    assert patches[0].output["bias"].shape == (model.config.n_embd,)
+    assert patches[0].output["bias"].shape == (1, model.config.n_embd)
 
 
 def test_moe_routing_and_gate_sums():
     for family, renormalised in (("mixtral", True), ("qwen2_moe", False), ("qwen3_moe", False)):
         model = tiny_model(family)
-        *_, patches = algorithm1_step(model, BlockAdapter(model), PROMPT)
+        *_, patches = algorithm1_step(model, PROMPT)
         for p in patches.values():
-            d = p.diagnostics
-            assert d["routing_match"] and len(d["experts"]) == model.config.num_experts_per_tok
-            assert (abs(d["S"] - 1) < 1e-6) == renormalised, (family, d["S"])
-            assert set(p.output) == {f"expert{e}.down" for e in d["experts"]}
+            d, experts = p.diagnostics, p.extra["experts"][0].tolist()
+            assert d.routing_match and len(experts) == model.config.num_experts_per_tok
+            assert (abs(d.S - 1) < 1e-6) == renormalised, (family, d.S)
+            assert set(p.output) == {f"expert{e}.row0.down" for e in experts}
     qwen = tiny_model("qwen2_moe")
-    *_, patches = algorithm1_step(qwen, BlockAdapter(qwen), PROMPT)
+    *_, patches = algorithm1_step(qwen, PROMPT)
     assert {"shared.gate_proj", "shared.up_proj", "shared_gate", "router"} <= set(patches[0].inputs)
-
-
-def test_generic_path_agrees_with_the_gemma_engine():
-    from ctxpatch_lite.algorithm import Algorithm1
-    model = tiny_model("gemma3", dtype="float64")
-    base, patched, *_ = algorithm1_step(model, BlockAdapter(model), PROMPT)
-    alg = Algorithm1(model)
-    _, targets, _ = alg.full_context(PROMPT)
-    logits, _ = alg.patched(PROMPT[-1], len(PROMPT) - 1, targets)
-    assert float((logits - patched).abs().max()) <= 1e-10
-    assert float((logits - base).abs().max()) <= 1e-10
 
 
 def test_start_layer_patches_only_upper_layers():
     model = tiny_model("llama")
-    res = run_algorithm1(model, PROMPT, n_tokens=2, start_layer=2)
-    assert res["matches"] == 2 and len(res["steps"][0]["layer_errors"]) == 1
-    with pytest.raises(ValueError, match="start_layer 3 out of range 0..2"):
-        run_algorithm1(model, PROMPT, n_tokens=1, start_layer=3)
+    res = run(model, 2, start_layer=2)
+    assert res["summary"]["n_match"] == 2 and res["steps"][0]["diagnostics"]["per_layer"]["layer"] == [2]
+    with pytest.raises(ValueError, match="start_layer 3 is out of range"):
+        run(model, 1, start_layer=3)
 
 
 # -- conditions as errors or counts -----------------------------------------------------------------------------
@@ -94,14 +104,14 @@ def test_post_norm_without_trainable_scale_is_refused():
         layer.post_feedforward_layernorm = torch.nn.RMSNorm(model.config.hidden_size, eps=1e-6,
                                                             elementwise_affine=False).double()
     with pytest.raises(UnsupportedArchitectureError, match="no trainable scale.*Appendix D"):
-        BlockAdapter(model)
+        Adapter(model)
 
 
 def test_missing_module_is_named():
     model = tiny_model("llama")
     del model.model.layers[1].mlp.down_proj
     with pytest.raises(UnsupportedArchitectureError, match=r"layer 1 .* no mlp.down_proj"):
-        BlockAdapter(model)
+        Adapter(model)
 
 
 def test_zero_mlp_input_raises_naming_the_layer():
@@ -110,7 +120,7 @@ def test_zero_mlp_input_raises_naming_the_layer():
         model.model.layers[1].post_attention_layernorm.weight.zero_()
     snap = snapshot(model)
     with pytest.raises(PatchError, match="layer 1: the MLP input z is the zero vector"):
-        run_algorithm1(model, PROMPT, n_tokens=1)
+        run(model, 1, apply="materialized")
     assert_bit_identical(model, snap)          # layer 0's patch was written before the error; it is restored
 
 
@@ -119,17 +129,17 @@ def test_zero_hidden_raises_for_the_output_matrix():
     with torch.no_grad():
         model.model.layers[0].mlp.gate_proj.weight.zero_()   # silu(0) * up = 0
     with pytest.raises(PatchError, match="layer 0: the MLP hidden h is the zero vector"):
-        run_algorithm1(model, PROMPT, n_tokens=1)
+        run(model, 1, apply="materialized")
 
 
 def test_zero_normalised_output_coordinates_are_counted():
     model = tiny_model("olmo2")
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[3].zero_()   # y_3 = 0, so h_3 = N(y)_3 = 0
-    res = run_algorithm1(model, PROMPT, n_tokens=2)
-    assert res["fallbacks"] == 2                              # one coordinate, two steps, counted
-    step = algorithm1_step(model, BlockAdapter(model), PROMPT)
-    assert step[4][0].diagnostics["fallbacks"] == 1 and step[4][0].diagnostics["min_abs_h"] == 0.0
+    res = run(model, 2)
+    assert res["summary"]["fallbacks_total"] == 2             # one coordinate, two steps, counted
+    step = algorithm1_step(model, PROMPT)
+    assert step[4][0].diagnostics.fallbacks == 1 and step[4][0].diagnostics.min_abs_h == 0.0
 
 
 def test_zero_gate_sum_raises(monkeypatch):
@@ -141,12 +151,12 @@ def test_zero_gate_sum_raises(monkeypatch):
         logits, scores, idx = orig(h)
         return logits, torch.zeros_like(scores), idx
     monkeypatch.setattr(router, "forward", zero_scores)
-    ad = BlockAdapter(model)
-    with float64_norms(model), BlockRecorder(ad) as rec:
-        model(input_ids=torch.tensor([PROMPT]))
-    with pytest.raises(PatchError, match="layer 0: the selected experts' gates sum to S = 0"):
-        with ControlledPass(ad, {0: rec.targets()[0]}):
-            model(input_ids=torch.tensor([[PROMPT[-1]]]), position_ids=torch.tensor([[len(PROMPT) - 1]]))
+    alg = Algorithm1(model)
+    _, targets, _ = alg.full_context(PROMPT)
+    for apply in ("factored", "materialized"):
+        with pytest.raises(PatchError, match="layer 0: the selected experts' gates sum to S = 0"):
+            with PatchedPass(alg.adapter, {0: LayerSpec(targets=targets[0])}, apply=apply):
+                model(input_ids=torch.tensor([[PROMPT[-1]]]), position_ids=torch.tensor([[len(PROMPT) - 1]]))
 
 
 def test_saved_folder_round_trip(tmp_path):
@@ -154,8 +164,8 @@ def test_saved_folder_round_trip(tmp_path):
     from transformers import AutoModelForCausalLM
     tiny_model("mistral", dtype="float32").save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
-    res = run_algorithm1(model, PROMPT, n_tokens=2)
-    assert res["matches"] == 2 and res["max_block_error"] <= 1e-10
+    res = run(model, 2)
+    assert res["summary"]["n_match"] == 2 and res["max_block_error"] <= 1e-10
 
 
 # -- CLI ---------------------------------------------------------------------------------------------------------
@@ -167,7 +177,8 @@ def test_verify_architectures_cli(tmp_path, capsys):
     assert "GPT2LMHeadModel" in text and "3/3 families meet the target" in text
     rows = json.loads(out.read_text())["rows"]
     assert [r["family"] for r in rows] == ["llama", "gpt2", "mixtral"]
-    assert all(r["token_match"] == "2/2" and r["max_block_rel_error"] <= 1e-10 for r in rows)
+    assert all(r["token_match"] == r["materialized_token_match"] == r["batched_token_match"] == "2/2"
+               and r["max_block_rel_error"] <= 1e-10 for r in rows)
 
 
 @pytest.mark.parametrize("argv,msg", [(["--dtype", "float16"], "unknown dtype 'float16'"),
@@ -226,7 +237,7 @@ def test_falcon_40b_layout_with_two_layernorms():
             p.copy_(torch.randn_like(p) * (0.5 if "word_emb" in name else p.shape[-1] ** -0.5) if p.dim() >= 2
                     else 1 + 0.3 * torch.randn_like(p))
     model = model.double().eval()
-    assert BlockAdapter(model).family.key == "falcon-parallel"
-    res = run_algorithm1(model, PROMPT, n_tokens=2)
-    assert res["matches"] == 2 and res["max_block_error"] <= 1e-10
+    assert Adapter(model).family.key == "falcon-parallel"
+    res = run(model, 2)
+    assert res["summary"]["n_match"] == 2 and res["max_block_error"] <= 1e-10
     assert max(single_block_errors(model, PROMPT)) <= 1e-10

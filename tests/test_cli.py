@@ -40,7 +40,8 @@ def test_run_writes_json(folders):
     assert {"baseline_token", "patched_token", "match", "linf", "tvd"} <= set(s)
     assert isinstance(s["baseline_token"], int)
     c = d["config"]
-    for key in ("variant", "start_layer", "apply", "h_source", "mode", "dtype", "patch_dtype", "model", "casts",
+    assert d["schema_version"] == 2
+    for key in ("variant", "start_layer", "apply", "h_source", "schedule", "parts", "family", "dtype", "patch_dtype", "model", "casts",
                 "chat_template", "environment"):
         assert key in c
     assert c["variant"] == "stable" and c["dtype"] == "float64" and c["chat_template"] is False
@@ -70,6 +71,9 @@ def test_prompt_file_pools_prompts(folders, tmp_path):
     (["--dtype", "float16"], "unknown dtype 'float16'"),
     (["--variant", "fancy"], "unknown variant 'fancy'"),
     (["--mode", "nope"], "unknown mode 'nope'"),
+    (["--schedule", "nope"], "unknown schedule 'nope'"),
+    (["--parts", "half"], "unknown parts 'half'"),
+    (["--mode", "none", "--parts", "none"], "give one or the other"),
     (["--start-layer", "4"], "start_layer 4 is out of range"),
     (["--tokens", "0"], "--tokens must be at least 1"),
 ])
@@ -83,8 +87,20 @@ def test_bad_arguments_one_line(folders, args, needle):
 def test_empty_prompt_and_unsupported_architecture(folders):
     r = cli("--model", folders["gemma"], "--prompt", "   ")
     assert r.returncode == 2 and "prompt is empty" in r.stderr and "Traceback" not in r.stderr
-    r = cli("--model", folders["llama"], "--prompt", "hello")
-    assert r.returncode == 2 and "has no adapter" in r.stderr and "Traceback" not in r.stderr
+    r = cli("--model", folders["llama"], "--prompt", "hello", "--variant", "stable")
+    assert r.returncode == 2 and "needs a trainable post-norm scale" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    r = cli("--model", folders["llama"], "--prompt", "hello", "--tokens", "2")   # every registered family runs
+    assert r.returncode == 0, r.stderr
     r = cli("--model", folders["gemma"], "--prompt", "hi", "--chat-template")
     assert r.returncode == 2 and "chat template" in r.stderr
+
+
+def test_legacy_mode_maps_with_a_note(folders, tmp_path):
+    out = tmp_path / "m.json"
+    r = cli("--model", folders["gemma"], "--prompt", "hello world", "--tokens", "2", "--mode", "ideal", "--json",
+            str(out))
+    assert r.returncode == 0, r.stderr
+    assert "runs as --schedule oracle --parts full" in r.stderr
+    c = json.loads(out.read_text())["config"]
+    assert (c["schedule"], c["parts"]) == ("oracle", "full")

@@ -5,7 +5,7 @@ import torch
 from conftest import CONTEXT_IDS
 from ctxpatch_lite.algorithm import Algorithm1, PatchConfig, layer_errors
 from ctxpatch_lite.fixtures import tiny_gemma3
-from ctxpatch_lite.patches import PatchError, input_patch
+from ctxpatch_lite.patches import PatchError, check_input_patch
 from ctxpatch_lite.single_block import single_block_patch
 
 
@@ -44,7 +44,7 @@ def test_zero_h_coordinate_is_counted_not_hidden():
 
 def test_zero_z_raises_clear_error():
     with pytest.raises(PatchError, match=r"layer 3: the MLP input z is the zero vector"):
-        input_patch(torch.randn(8, 4), torch.zeros(4), torch.randn(4), torch.float64, layer=3, name="W_gate")
+        check_input_patch(torch.zeros(1, 4), layer=3, name="W_gate")
     model = tiny_gemma3(seed=2, dtype="float64")
     with torch.no_grad():
         model.model.layers[1].pre_feedforward_layernorm.weight.fill_(-1.0)  # scale 1 + w = 0  =>  z == 0
