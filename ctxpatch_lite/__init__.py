@@ -1,5 +1,19 @@
 """ctxpatch_lite: context as weight patches in modern transformer blocks (Goldwaser et al., ICML 2026)."""
 from .models import DTYPES, ModelLoadError, describe_model, load_model, resolve_device, resolve_dtype
 
-__version__ = "0.1.0"
-__all__ = ["DTYPES", "ModelLoadError", "describe_model", "load_model", "resolve_device", "resolve_dtype"]
+__version__ = "0.2.0"
+__all__ = ["DTYPES", "ModelLoadError", "describe_model", "load_model", "resolve_device", "resolve_dtype", "absorb",
+           "PatchSet", "PatchConfig", "PatchSetMismatch", "run_protocol"]
+
+
+def __getattr__(name):   # the engine is imported on first use, so `import ctxpatch_lite` stays light
+    if name in ("absorb", "PatchSet", "PatchSetMismatch"):
+        from . import patchset
+        return getattr(patchset, name)
+    if name == "PatchConfig":
+        from .algorithm import PatchConfig
+        return PatchConfig
+    if name == "run_protocol":
+        from .protocol import run_protocol
+        return run_protocol
+    raise AttributeError(f"module 'ctxpatch_lite' has no attribute {name!r}")

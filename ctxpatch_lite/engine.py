@@ -32,6 +32,7 @@ from .patches import DIAG_KEYS, LayerPatch, Rank1, default_patch_dtype
 VARIANTS = ("naive", "stable")
 H_SOURCES = ("actual", "recorded")
 APPLY_MODES = ("materialized", "factored")
+WRITE_MODES = ("materialized", "peft")   # "peft": write rank-1 patches into LoRA factors and scales into saved copies
 
 
 @dataclass
@@ -144,7 +145,8 @@ class Site:
 
     @property
     def materialized(self):
-        return self.pas.apply == "materialized"
+        """Patches are written (into the weights, or into a peft adapter) rather than added at run time."""
+        return self.pas.apply in WRITE_MODES
 
     @property
     def computing(self):
@@ -161,6 +163,13 @@ class Site:
         self.pas.add(param, delta, index)
 
     def write_rank1(self, module, r1: Rank1):
+        if self.pas.apply == "peft":      # a LoRA of rank 1: B = u, A = z^T / ||z||^2, scaling 1
+            z = r1.z.reshape(-1, r1.z.shape[-1])[0]
+            with torch.no_grad():
+                A, B = module.lora_A[module.active_adapters[0]].weight, module.lora_B[module.active_adapters[0]].weight
+                A.copy_((z / (z * z).sum()).reshape(1, -1).to(A.dtype))
+                B.copy_(r1.u.reshape(-1, r1.u.shape[-1])[0].reshape(-1, 1).to(B.dtype))
+            return
         dense = r1.dense()
         self.pas.add(module.weight, dense.t() if self.ad.family.conv1d else dense)
 
@@ -175,13 +184,14 @@ class PatchedPass(WeightScope):
     ``LayerPatch`` with N rows) and ``pp.outputs`` (layer -> (N, d) output rows)."""
 
     def __init__(self, adapter: Adapter, specs: dict, apply: str = "factored", pdtype: torch.dtype | None = None):
-        if apply not in APPLY_MODES:
+        if apply not in APPLY_MODES + ("peft",):
             raise ValueError(f"unknown apply mode {apply!r}; choose one of: {', '.join(APPLY_MODES)}")
         super().__init__(pdtype or default_patch_dtype(adapter.dtype))
         self.ad, self.specs, self.apply = adapter, specs, apply
         self.patches: dict[int, LayerPatch] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.checks: list = []
+        self.keep = apply == "peft"       # peft: the writes go into the adapter's own copies and stay
 
     def __enter__(self):
         for l, spec in self.specs.items():
@@ -229,13 +239,13 @@ class PatchedPass(WeightScope):
                 for c in ctrl:
                     c.at_mlp_input(s, z)
             self.reg(P.mlp.register_forward_pre_hook(at_mlp_input))
-        elif self.apply == "materialized":
+        elif self.apply in WRITE_MODES:
             if patch.n_rows() != 1:
                 raise ValueError("materialized patches need one query per pass; the batched path applies them "
                                  "factored")
             for c in ctrl:
                 c.materialize(s)
-        if self.apply == "materialized" and spec.patch is None and spec.targets.v.shape[0] > 1:
+        if self.apply in WRITE_MODES and spec.patch is None and spec.targets.v.shape[0] > 1:
             raise ValueError("materialized patches need one query per pass; the batched path applies patches factored")
         for c in ctrl:
             c.install(s)
@@ -276,3 +286,18 @@ def diag_rows(patches: dict, n: int) -> torch.Tensor:
     dev = dev.device if dev is not None else "cpu"
     m = torch.stack([patches[l].diag_matrix(n, dev) for l in sorted(patches)])   # (L, K, n)
     return m.permute(2, 0, 1).cpu()
+
+
+def write_patches(adapter: Adapter, patches: dict, pdtype: torch.dtype) -> WeightScope:
+    """Write supplied one-row patches into the weights by the one cast rule, with no hook; the returned scope's
+    ``restore()`` puts every written parameter back bit for bit (``PatchSet.merge_into``)."""
+    scope = PatchedPass(adapter, {}, apply="materialized", pdtype=pdtype)
+    for l, patch in patches.items():
+        if patch.vanilla is not None:
+            raise ValueError("the vanilla control adds dv to the MLP output at run time; it has no weight form to merge")
+        if patch.n_rows() != 1:
+            raise ValueError("only one-row patches can be merged into weights")
+        s = Site(l, adapter.parts[l], scope, LayerSpec(patch=patch), patch)
+        for c in _supplied_controllers(adapter.parts[l].kind, patch):
+            c.materialize(s)
+    return scope

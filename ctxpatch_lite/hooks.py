@@ -72,19 +72,20 @@ class WeightScope(HookScope):
 
     The one cast rule of the package: ``param[index] = (param[index].to(pdtype) + delta.to(pdtype)).to(param.dtype)``
     -- the patch is added in the patch dtype and stored in the model dtype, as a patched checkpoint would hold it.
-    ``keep=True`` leaves the written values in place (``PatchSet.merge_into``) and hands back the saved originals.
+    ``keep = True`` writes without keeping a copy to restore (a peft adapter's own LoRA factors and saved modules).
     """
 
     def __init__(self, pdtype: torch.dtype):
         super().__init__()
         self.pdtype = pdtype
+        self.keep = False
         self._saved = {}          # id(param) -> (param, original clone)
 
     def add(self, param: torch.nn.Parameter, delta: torch.Tensor, index=None) -> None:
         if param.device.type == "meta":
             raise PatchError("a patched parameter lives on the 'meta' device (offloaded); load the model fully onto "
                              "one device, or give it more GPU memory")
-        if id(param) not in self._saved:
+        if not self.keep and id(param) not in self._saved:
             self._saved[id(param)] = (param, param.detach().clone())
         with torch.no_grad():
             view = param if index is None else param[index]
@@ -125,10 +126,16 @@ def float64_norms(model, offset: float = 0.0):
             n = n * (offset + w.to(torch.float64))
         return n.to(args[0].dtype)
 
-    if next(model.parameters()).dtype == torch.float64:
-        handles = [m.register_forward_hook(hook) for m in rmsnorm_modules(model)]
+    mods = []
+    if next(model.parameters()).dtype == torch.float64:   # nested scopes do not stack (a later hook would
+        mods = [m for m in rmsnorm_modules(model) if not getattr(m, "_ctxpatch_f64", False)]  # undo a patch)
+        handles = [m.register_forward_hook(hook) for m in mods]
+        for m in mods:
+            m._ctxpatch_f64 = True
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for m in mods:
+            m._ctxpatch_f64 = False
