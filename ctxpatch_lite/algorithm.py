@@ -145,7 +145,8 @@ class Algorithm1:
         with self.norms(), Recorder(self.adapter, positions) as rec:
             out = self.model(input_ids=ids, cache=cache, use_cache=positions is None, logits_to_keep=keep)
         logits = out.logits[0, -1] if positions is None else out.logits[0]
-        return logits, rec.targets(), getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        cache = None if positions is not None else (out.get("cache") or out.get("past_key_values"))
+        return logits, rec.targets(), cache
 
     def specs(self, targets, oracle: bool = False, layers=None) -> dict:
         c = self.config

@@ -47,19 +47,6 @@ class Targets:
     hidden: torch.Tensor | None = None    # the input of the MLP's last matrix (Gemma: act(W_gate z) * W_up z)
     mlp_out: torch.Tensor | None = None   # the MLP output (Gemma: W_down h_gated, the post-norm input)
 
-    # names of the first edition, kept for notebooks
-    @property
-    def x_in(self):
-        return self.x
-
-    @property
-    def h_gated(self):
-        return self.hidden
-
-    @property
-    def h_down(self):
-        return self.mlp_out
-
     def select(self, i) -> "Targets":
         return Targets(**{k: None if v is None else v[i] for k, v in self.__dict__.items()})
 

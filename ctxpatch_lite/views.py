@@ -78,23 +78,24 @@ class Algorithm1View:
         return self._model, self._tokenizers[name]
 
     def run(self, prompt: str, model_name=None, dtype="float32", tokens=20, variant="naive", start_layer=0,
-            apply="factored", h_source="actual", mode="selfcorrect", batched=None):
+            apply="factored", h_source="actual", schedule="selfcorrect", parts="full", batched=None):
         """One protocol run. ``batched=None``: the batched teacher-forced path wherever it applies (factored
-        patches, any mode but ``fixed``), else step by step."""
+        patches, any schedule but ``fixed``), else step by step."""
         from .protocol import run_protocol
 
         model, tok = self.model(model_name, dtype)
-        cfg = PatchConfig(variant=variant, start_layer=int(start_layer), apply=apply, h_source=h_source, mode=mode)
+        cfg = PatchConfig(variant=variant, start_layer=int(start_layer), apply=apply, h_source=h_source,
+                          schedule=schedule, parts=parts)
         if batched is None:
-            batched = apply == "factored" and mode != "fixed"
+            batched = apply == "factored" and schedule != "fixed"
         return run_protocol(model, tok, prompt, int(tokens), cfg, progress=self.progress, batched=batched,
                             desc=f"{dtype}/{variant}/start {start_layer}")
 
     def render(self, prompt: str, model_name=None, dtype="float32", tokens=20, variant="naive", start_layer=0,
-               apply="factored", h_source="actual", mode="selfcorrect"):
+               apply="factored", h_source="actual", schedule="selfcorrect", parts="full"):
         from . import plots
 
-        run = self.run(prompt, model_name, dtype, tokens, variant, start_layer, apply, h_source, mode)
+        run = self.run(prompt, model_name, dtype, tokens, variant, start_layer, apply, h_source, schedule, parts)
         label = f"{dtype}-{variant}" + (f" (start layer {start_layer})" if start_layer else "")
         fig = plots.per_token({label: run}, title=f"{label}: patched (query alone) vs baseline (full context)")
         return {"run": run, "figure": fig, "table": run_table(run)}

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import CONTEXT_IDS, assert_bit_identical, snapshot
-from ctxpatch_lite.algorithm import MODES, Algorithm1, PatchConfig
+from ctxpatch_lite.algorithm import PARTS, SCHEDULES, Algorithm1, PatchConfig
 from ctxpatch_lite.hooks import UnsupportedArchitectureError
 from ctxpatch_lite.metrics import compare_logits
 from ctxpatch_lite.patches import PatchError
@@ -26,9 +26,11 @@ def test_algorithm1_exact_float64(tiny64, variant, apply, h_source):
     assert len(rec.patches) == 4
 
 
-@pytest.mark.parametrize("mode,exact", [("ideal", True), ("none", False), ("input-only", False), ("vanilla", False)])
-def test_controls_float64(tiny64, mode, exact):
-    m, _ = one_step(tiny64, mode=mode)
+@pytest.mark.parametrize("cfg,exact", [({"schedule": "ideal"}, True), ({"schedule": "oracle"}, True),
+                                        ({"parts": "none"}, False), ({"parts": "input-only"}, False),
+                                        ({"parts": "vanilla"}, False)])
+def test_controls_float64(tiny64, cfg, exact):
+    m, _ = one_step(tiny64, **cfg)
     if exact:
         assert m["linf"] <= 1e-10
     else:
@@ -52,19 +54,32 @@ def test_start_layer_out_of_range(tiny64):
 
 
 @pytest.mark.parametrize("field,value", [("variant", "fancy"), ("mode", "oops"), ("apply", "dense"),
-                                         ("h_source", "guess"), ("patch_dtype", "float16")])
+                                         ("h_source", "guess"), ("patch_dtype", "float16"), ("schedule", "lazy"),
+                                         ("parts", "half")])
 def test_bad_config_names(tiny64, field, value):
     with pytest.raises(ValueError, match=f"unknown {field}"):
         Algorithm1(tiny64, PatchConfig(**{field: value}))
 
 
-def test_restore_bit_identical_after_every_mode(tiny32):
+def test_legacy_modes_map_onto_schedule_and_parts():
+    assert (PatchConfig(mode="none").schedule, PatchConfig(mode="none").parts) == ("selfcorrect", "none")
+    with pytest.warns(UserWarning, match="now runs as schedule='oracle'"):
+        c = PatchConfig(mode="ideal")
+    assert (c.schedule, c.parts) == ("oracle", "full")
+    assert PatchConfig.from_dict({"mode": "ideal", "variant": "stable"}).schedule == "oracle"
+    from ctxpatch_lite.protocol import upgrade_record
+    old = upgrade_record({"config": {"mode": "vanilla"}})
+    assert (old["config"]["schedule"], old["config"]["parts"], old["schema_version"]) == ("selfcorrect", "vanilla", 1)
+
+
+def test_restore_bit_identical_after_every_schedule_and_parts(tiny32):
     snap = snapshot(tiny32)
-    for mode in MODES:
+    runs = [{"schedule": s} for s in SCHEDULES] + [{"parts": p} for p in PARTS]
+    for cfg in runs:
         for apply in ("factored", "materialized"):
             for variant in ("naive", "stable"):
                 run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=3, progress=False,
-                             config=PatchConfig(mode=mode, apply=apply, variant=variant))
+                             config=PatchConfig(apply=apply, variant=variant, **cfg))
                 assert_bit_identical(tiny32, snap)
 
 
@@ -83,9 +98,13 @@ def test_restore_after_error_mid_pass():
 
 
 def test_fixed_mode_reuses_first_patches(tiny32):
-    out = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=4, progress=False, config=PatchConfig(mode="fixed"))
+    out = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=4, progress=False, config=PatchConfig(schedule="fixed"))
     sel = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=4, progress=False)
     assert out["steps"][0]["linf"] == pytest.approx(sel["steps"][0]["linf"], abs=1e-5)
+    # step 0 is freshly patched; the summary counts the reused steps on their own
+    assert [bool(s.get("reused")) for s in out["steps"]] == [False, True, True, True]
+    reused = out["summary"]["reused"]
+    assert reused["n_tokens"] == 3 and reused["n_match"] == sum(s["match"] for s in out["steps"][1:])
     # later steps reuse stale patches: the same dm at every step, and the distributions drift
     dms = [s["diagnostics"]["dm_norm"] for s in out["steps"]]
     assert len(set(dms)) == 1
@@ -137,22 +156,23 @@ def test_embedded_float32_all_prompts(embedded, prompts):
         linfs += r["linf"]
     assert n == 100 and n_match == 100
     assert sorted(linfs)[len(linfs) // 2] <= 1e-4
-    neg = run_protocol(model, tok, prompts[0]["text"], 20, PatchConfig(mode="none"), progress=False)
+    neg = run_protocol(model, tok, prompts[0]["text"], 20, PatchConfig(parts="none"), progress=False)
     assert neg["summary"]["token_match"] <= 0.2 and min(neg["linf"]) > 1.0
     assert_bit_identical(model, snap)
 
 
 @pytest.mark.parametrize("variant", ["naive", "stable"])
-@pytest.mark.parametrize("mode", ["selfcorrect", "ideal", "input-only", "vanilla", "none"])
+@pytest.mark.parametrize("mode", [{"schedule": "selfcorrect"}, {"schedule": "ideal"}, {"schedule": "oracle"},
+                                  {"parts": "input-only"}, {"parts": "vanilla"}, {"parts": "none"}])
 def test_batched_agrees_with_loop(tiny32, variant, mode):
-    cfg = PatchConfig(variant=variant, mode=mode)
+    cfg = PatchConfig(variant=variant, **mode)
     loop = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=6, progress=False, config=cfg)
     bat = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=6, progress=False, config=cfg, batched=True)
     assert bat["generated_ids"] == loop["generated_ids"]
     assert [s["patched_token"] for s in bat["steps"]] == [s["patched_token"] for s in loop["steps"]]
     for a, b in zip(bat["steps"], loop["steps"]):
         assert a["position"] == b["position"]
-        if mode in ("selfcorrect", "ideal"):
+        if mode.get("schedule") in ("selfcorrect", "oracle"):   # ideal has no self-correction (notebook 05)
             assert a["linf"] <= 1e-4 and b["linf"] <= 1e-4
         assert a["diagnostics"].get("patched_layers") == b["diagnostics"].get("patched_layers")
 
@@ -168,7 +188,36 @@ def test_batched_exact_float64_and_per_row_patches(tiny64):
 def test_batched_rejects_sequential_modes(tiny32):
     with pytest.raises(ValueError, match="step by step"):
         run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=2, progress=False, batched=True,
-                     config=PatchConfig(mode="fixed"))
+                     config=PatchConfig(schedule="fixed"))
     with pytest.raises(ValueError, match="factored"):
         run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=2, progress=False, batched=True,
                      config=PatchConfig(apply="materialized"))
+
+
+def test_ideal_schedule_builds_from_recorded_inputs_and_runs_on_actual_outputs(tiny64):
+    """In exact arithmetic the three schedules agree; the record says which pass built the patches."""
+    alg = Algorithm1(tiny64, PatchConfig(schedule="ideal"))
+    logits, T, _ = alg.full_context(CONTEXT_IDS)
+    q, rec = alg.patched(CONTEXT_IDS[-1], len(CONTEXT_IDS) - 1, T)
+    assert float((q - logits).abs().max()) <= 1e-10
+    assert sorted(rec.patches) == [0, 1, 2, 3] and all(rec.patches[l].diagnostics.block_error <= 1e-12 for l in range(4))
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_three_schedules_on_the_embedded_model(prompts, dtype):
+    """Findings, not targets: each schedule runs and records a per-layer error for every step; selfcorrect and
+    oracle (fed the recorded inputs) keep every token in float32."""
+    from ctxpatch_lite import load_model
+    model, tok = load_model(dtype=dtype, device="cpu")
+    got = {}
+    for schedule in ("selfcorrect", "ideal", "oracle"):
+        r = run_protocol(model, tok, prompts[0]["text"], 4, PatchConfig(schedule=schedule), progress=False,
+                         batched=True)
+        assert r["config"]["schedule"] == schedule and r["n_tokens"] == 4
+        for s in r["steps"]:
+            errs = s["diagnostics"]["per_layer"]["block_error"]
+            assert len(errs) == model.config.num_hidden_layers and all(e == e for e in errs)
+        got[schedule] = r["summary"]["n_match"]
+    if dtype == "float32":
+        assert got["selfcorrect"] == got["oracle"] == 4

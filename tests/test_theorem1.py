@@ -22,7 +22,7 @@ def test_theorem1_every_layer_float64(tiny64, layer):
 
 
 def test_ideal_inputs_match_theorem1_per_layer(tiny64):
-    alg = Algorithm1(tiny64, PatchConfig(mode="ideal"))
+    alg = Algorithm1(tiny64, PatchConfig(schedule="oracle"))
     _, T, _ = alg.full_context(CONTEXT_IDS)
     _, rec = alg.patched(CONTEXT_IDS[-1], len(CONTEXT_IDS) - 1, T)
     assert max(layer_errors(rec, T)) <= 1e-12
