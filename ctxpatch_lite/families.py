@@ -15,8 +15,6 @@ import torch
 
 from .hooks import UnsupportedArchitectureError, norm_eps, unit_rms
 
-OUTPUT_KINDS = ("matrix", "bias", "scale", "moe")
-
 
 @dataclass(frozen=True)
 class Family:

@@ -47,10 +47,6 @@ def replace_hidden(args, kwargs, x):
     return args, {**kwargs, "hidden_states": x}
 
 
-def param_device(module) -> torch.device:
-    return next(module.parameters()).device
-
-
 class HookScope:
     """Context manager base: hooks registered through ``reg`` are all removed on exit."""
 

@@ -51,13 +51,6 @@ class Rank1:
         f2 = self.u.norm(dim=-1).pow(2) / self.z.norm(dim=-1).pow(2)
         return (f2 if f2.dim() == 1 else f2.sum(-1)).sqrt()
 
-    def row(self, i: int) -> "Rank1":
-        return Rank1(self.u[i:i + 1], self.z[i:i + 1])
-
-
-def _sel(t, i):
-    return t[i:i + 1] if isinstance(t, torch.Tensor) else t.row(i)
-
 
 @dataclass
 class LayerPatch:
@@ -89,15 +82,6 @@ class LayerPatch:
 
     def n_rows(self) -> int:
         return self.dv.shape[0] if self.dv is not None else 1
-
-    def row(self, i: int) -> "LayerPatch":
-        """Query row ``i`` of a patch built for N rows, as a one-row patch."""
-        return LayerPatch(self.layer, self.kind, {k: _sel(v, i) for k, v in self.inputs.items()},
-                          {k: _sel(v, i) for k, v in self.output.items()},
-                          None if self.vanilla is None else self.vanilla[i:i + 1],
-                          None if self.dv is None else self.dv[i:i + 1],
-                          {k: v[i:i + 1] for k, v in self.diag.items()},
-                          {k: v[i:i + 1] for k, v in self.extra.items()})
 
     def finish(self) -> "LayerPatch":
         """Add the norm diagnostics (tensors; no host transfer)."""
@@ -149,9 +133,6 @@ class Diagnostics:
         if k in ("hard_case", "routing_match"):
             return False if math.isnan(v) else bool(v)
         return v
-
-    def to_dict(self) -> dict:
-        return {"layer": self.layer, **self._v}
 
 
 def default_patch_dtype(model_dtype: torch.dtype) -> torch.dtype:

@@ -286,7 +286,10 @@ class PatchSet:
                                    f"{FORMAT_VERSION}")
         if device is None and model is not None:
             device = next(model.parameters()).device
-        tensors = {k: v.to(device) if device is not None else v for k, v in load_file(str(path / _TENSORS)).items()}
+        # clone(): tensors read by safetensors may sit at file offsets with other memory alignment than fresh ones,
+        # and a CPU kernel may then round a reduction differently -- which a scale patch of 1e6 turns into O(1)
+        tensors = {k: (v.to(device) if device is not None else v).clone()
+                   for k, v in load_file(str(path / _TENSORS)).items()}
         groups: dict = {}
         for k, v in tensors.items():
             form, l, rest = k.split("/", 2)

@@ -93,7 +93,7 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
     out_t, out_p, out_u = T.out, rec1.outputs[layer][0], rec0.outputs[layer][0]
     d = p.diagnostics
     return SingleBlockResult(
-        layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"], gate=p.gate.row(0), up=p.up.row(0),
+        layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"], gate=p.gate, up=p.up,
         dm=None if p.dm is None else p.dm[0], out_target=out_t, out_patched=out_p, out_unpatched=out_u,
         rel_error=relative_error(out_p, out_t), unpatched_rel_error=relative_error(out_u, out_t),
         singular_values=sv, fallbacks=d.fallbacks, min_abs_h=d.min_abs_h)

@@ -166,6 +166,9 @@ def test_embedded_every_form_on_the_five_prompts(embedded, prompts, tmp_path):
         restore()
         ps.to_peft(tmp_path / p["id"], model)
         lora = peft_logits(model, tmp_path / p["id"], ids)
+        ps.save(tmp_path / f"{p['id']}.patch")      # a reload is bit-identical on the real model too (alignment)
+        with cp.PatchSet.load(tmp_path / f"{p['id']}.patch", model=model).applied(model):
+            assert torch.equal(query_logits(model, ids), applied), p["id"]
         for name, got in (("applied", applied), ("merged", merged), ("peft", lora)):
             err = float((got - base).abs().max())
             assert err <= 1e-4, (p["id"], name, err)
