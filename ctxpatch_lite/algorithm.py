@@ -27,6 +27,7 @@ the pair (``LEGACY_MODES``; its ``ideal`` meant ``schedule="oracle"``).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -34,7 +35,7 @@ import torch
 
 from .engine import APPLY_MODES, H_SOURCES, VARIANTS, LayerSpec, PatchedPass, Recorder
 from .families import Adapter
-from .hooks import float64_norms
+from .hooks import exact_float32, float64_norms
 from .metrics import relative_error
 from .models import DTYPES, dtype_name
 from .patches import default_patch_dtype
@@ -132,8 +133,12 @@ class Algorithm1:
         """Forget the patches kept by the ``fixed`` schedule (start of a new generation)."""
         self._fixed = None
 
+    @contextlib.contextmanager
     def norms(self):
-        return float64_norms(self.model, self.adapter.family.scale_offset)
+        """The arithmetic every pass runs in: float64 norms for float64 models, TF32 off unless bfloat16."""
+        with float64_norms(self.model, self.adapter.family.scale_offset), \
+                exact_float32(self.adapter.dtype != torch.bfloat16):
+            yield
 
     # -- passes ----------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -265,14 +265,14 @@ def _supplied_controllers(kind: str, patch: LayerPatch) -> list:
     return controllers(kind, variant, frozenset(parts | ({"input"} if kind == "moe" and parts else set())))
 
 
-def diag_rows(patches: dict, n: int) -> torch.Tensor:
-    """(n rows, layers, len(DIAG_KEYS)) float64 diagnostics of a pass, on the host: one transfer for all."""
+def diag_rows(patches: dict, n: int) -> list:
+    """[n rows][layers][len(DIAG_KEYS)] float64 diagnostics of a pass, on the host: one transfer for all."""
     if not patches:
-        return torch.zeros((n, 0, len(DIAG_KEYS)), dtype=torch.float64)
+        return [[] for _ in range(n)]
     dev = next(iter(patches.values())).dv
     dev = dev.device if dev is not None else "cpu"
     m = torch.stack([patches[l].diag_matrix(n, dev) for l in sorted(patches)])   # (L, K, n)
-    return m.permute(2, 0, 1).cpu()
+    return m.permute(2, 0, 1).tolist()
 
 
 def write_patches(adapter: Adapter, patches: dict, pdtype: torch.dtype) -> WeightScope:

@@ -154,6 +154,24 @@ class Adapter:
             self.parts.append(LayerParts(i, layer, mlp, v_site, attn, inputs, fam.output, out, down))
         self.dtype = next(model.parameters()).dtype
         self.norm_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self._refuse_offloaded()
+
+    def _refuse_offloaded(self):
+        """Patches are written into (or computed from) the MLP and norm weights of each layer: weights that a
+        ``device_map`` offloaded to the CPU or disk live on the 'meta' device between uses, so refuse them."""
+        bad = []
+        for P in self.parts:
+            mods = [m for m in (P.mlp, P.output, P.v_site, P.attn) if m is not None]
+            subs = [sub for m in mods for sub in m.modules()]
+            offloaded = any(getattr(getattr(sub, "_hf_hook", None), "offload", False) for sub in subs)
+            if offloaded or any(p.device.type == "meta" for m in mods for p in m.parameters()):
+                bad.append(P.index)
+        if bad:
+            raise UnsupportedArchitectureError(
+                f"layers {', '.join(map(str, bad))} of this model are offloaded (device_map put their weights on the "
+                f"CPU or disk, so they sit on the 'meta' device between uses): patches cannot be written into or "
+                f"computed from them. Load the model fully onto GPU memory (a GPU with more memory, several GPUs, "
+                f"bfloat16) or use a smaller model")
 
     @property
     def n_layers(self) -> int:

@@ -135,3 +135,32 @@ def float64_norms(model, offset: float = 0.0):
             h.remove()
         for m in mods:
             m._ctxpatch_f64 = False
+
+
+def precision_flags() -> dict:
+    """The torch settings that decide float32/bfloat16 matmul arithmetic on a GPU, as they are now."""
+    cuda = torch.backends.cuda.matmul
+    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cuda_matmul_allow_tf32": bool(cuda.allow_tf32), "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "allow_bf16_reduced_precision_reduction": bool(cuda.allow_bf16_reduced_precision_reduction),
+            "allow_fp16_reduced_precision_reduction": bool(cuda.allow_fp16_reduced_precision_reduction)}
+
+
+@contextlib.contextmanager
+def exact_float32(enabled: bool = True):
+    """TF32 off (and float32 matmuls at 'highest' precision) for the block, the user's settings restored after:
+    on Ampere and later GPUs TF32 rounds float32 matmul inputs to 10 mantissa bits, which the scale patches of
+    1e6 turn into visible errors. A no-op when ``enabled`` is False (bfloat16 runs keep the user's settings)."""
+    if not enabled:
+        yield
+        return
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1], saved[2]

@@ -24,40 +24,65 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def average_ranks(x: torch.Tensor) -> torch.Tensor:
-    """Ranks 0..n-1 of a 1-D tensor, tied values sharing their mean rank (float64)."""
-    sorted_vals, order = torch.sort(x)
-    _, counts = torch.unique_consecutive(sorted_vals, return_counts=True)
-    ends = torch.cumsum(counts, 0).to(torch.float64)
-    starts = ends - counts.to(torch.float64)
-    mean_rank = (starts + ends - 1.0) / 2.0
+    """Ranks 0..n-1 along the last axis, tied values sharing their mean rank (float64); fixed-size tensor
+    operations only, so it runs on the logits' device without asking the host anything."""
+    n = x.shape[-1]
+    sorted_vals, order = torch.sort(x, dim=-1)
+    idx = torch.arange(n, device=x.device).expand_as(sorted_vals)
+    new_run = torch.ones_like(sorted_vals, dtype=torch.bool)
+    new_run[..., 1:] = sorted_vals[..., 1:] != sorted_vals[..., :-1]
+    start = torch.where(new_run, idx, torch.zeros_like(idx)).cummax(-1).values           # first index of the run
+    ends = torch.ones_like(new_run)
+    ends[..., :-1] = new_run[..., 1:]
+    end = torch.where(ends, idx, torch.full_like(idx, n)).flip(-1).cummin(-1).values.flip(-1)  # last index
     ranks = torch.empty_like(x, dtype=torch.float64)
-    ranks[order] = torch.repeat_interleave(mean_rank, counts)
+    ranks.scatter_(-1, order, (start + end).to(torch.float64) / 2.0)
     return ranks
 
 
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+def _spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ra, rb = average_ranks(a), average_ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    den = float(ra.norm() * rb.norm())
-    return float((ra @ rb) / den) if den > 0 else float("nan")
+    ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
+    den = ra.norm(dim=-1) * rb.norm(dim=-1)
+    return torch.where(den > 0, (ra * rb).sum(-1) / den.clamp_min(1e-300), torch.full_like(den, float("nan")))
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(_spearman_rows(a.to(torch.float64), b.to(torch.float64)))
+
+
+METRIC_KEYS = ("baseline_token", "patched_token", "linf", "tvd", "rank_corr", "top1_diff")
+
+
+def compare_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[dict]:
+    """Metrics between baseline logits and patched logits, row by row ((N, V) each): computed in float64 on the
+    logits' device, fetched to the host in one transfer."""
+    p64, q64 = p_logits.detach().to(torch.float64), q_logits.detach().to(torch.float64)
+    if p64.shape != q64.shape:
+        raise ValueError(f"logit tensors differ in shape: {tuple(p64.shape)} vs {tuple(q64.shape)}")
+    p64, q64 = p64.reshape(-1, p64.shape[-1]), q64.reshape(-1, q64.shape[-1])
+    p, q = torch.softmax(p64, -1), torch.softmax(q64, -1)
+    bt, pt = p64.argmax(-1), q64.argmax(-1)
+    top = bt.unsqueeze(-1)
+    m = torch.stack([bt.to(torch.float64), pt.to(torch.float64), (p64 - q64).abs().amax(-1),
+                     0.5 * (p - q).abs().sum(-1), _spearman_rows(p64, q64),
+                     (p.gather(-1, top) - q.gather(-1, top)).squeeze(-1)], -1)
+    out = []
+    for row in m.tolist():
+        d = dict(zip(METRIC_KEYS, row))
+        d["baseline_token"], d["patched_token"] = int(d["baseline_token"]), int(d["patched_token"])
+        d["match"] = d["baseline_token"] == d["patched_token"]
+        out.append({k: d[k] for k in ("baseline_token", "patched_token", "match", "linf", "tvd", "rank_corr",
+                                      "top1_diff")})
+    return out
 
 
 def compare_logits(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict:
     """Metrics between baseline logits ``p_logits`` and patched logits ``q_logits`` (1-D, any dtype)."""
-    p64, q64 = p_logits.detach().to(torch.float64).flatten().cpu(), q_logits.detach().to(torch.float64).flatten().cpu()
-    if p64.shape != q64.shape:
-        raise ValueError(f"logit vectors differ in size: {p64.numel()} vs {q64.numel()}")
-    p, q = torch.softmax(p64, -1), torch.softmax(q64, -1)
-    bt, pt = int(p64.argmax()), int(q64.argmax())
-    return {
-        "baseline_token": bt,
-        "patched_token": pt,
-        "match": bt == pt,
-        "linf": float((p64 - q64).abs().max()),
-        "tvd": float(0.5 * (p - q).abs().sum()),
-        "rank_corr": spearman(p64, q64),
-        "top1_diff": float(p[bt] - q[bt]),
-    }
+    p, q = p_logits.reshape(-1), q_logits.reshape(-1)
+    if p.shape != q.shape:
+        raise ValueError(f"logit vectors differ in size: {p.numel()} vs {q.numel()}")
+    return compare_rows(p, q)[0]
 
 
 def aggregate(steps: list[dict]) -> dict:

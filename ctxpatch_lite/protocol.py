@@ -15,8 +15,9 @@ from tqdm.auto import tqdm
 
 from .algorithm import Algorithm1, PatchConfig
 from .engine import diag_rows
-from .metrics import aggregate, compare_logits
+from .metrics import aggregate, compare_rows
 from .models import dtype_name
+from .hooks import exact_float32, precision_flags
 from .patches import DIAG_KEYS
 
 SCHEMA_VERSION = 2
@@ -87,7 +88,7 @@ def environment(model=None) -> dict:
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-           "torch_threads": torch.get_num_threads(),
+           "torch_threads": torch.get_num_threads(), "precision_flags": precision_flags(),
            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     try:
         from . import __version__
@@ -107,16 +108,15 @@ CASTS = ("patches are built in the patch dtype; the RMSNorm inversion (stable) r
 def greedy_baseline(model, prompt_ids: list[int], n_tokens: int) -> list[int]:
     """The baseline's greedy tokens with the full context (KV-cached decode steps, no hooks)."""
     dev = next(model.parameters()).device
-    ids, cache, out = list(prompt_ids), None, []
-    with torch.no_grad():
-        step = torch.tensor([ids], device=dev)
+    cache, out = None, []
+    with torch.no_grad():   # the next input is the argmax tensor itself: no host transfer until the end
+        step = torch.tensor([list(prompt_ids)], device=dev)
         for _ in range(n_tokens):
             res = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
-            cache = getattr(res, "cache", None) or res.past_key_values
-            tok = int(res.logits[0, -1].argmax())
-            out.append(tok)
-            step = torch.tensor([[tok]], device=dev)
-    return out
+            cache = res.get("cache") or res.get("past_key_values")
+            step = res.logits[:, -1].argmax(-1, keepdim=True)
+            out.append(step)
+    return torch.cat(out, 1)[0].tolist()
 
 
 def summarize(steps: list[dict]) -> dict:
@@ -156,7 +156,9 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     alg = Algorithm1(model, config or PatchConfig())
     alg.reset()
     ids = list(prompt_ids)
-    steps = (_batched_steps if batched else _loop_steps)(alg, ids, n_tokens, tokenizer, progress, desc)
+    with exact_float32(alg.adapter.dtype != torch.bfloat16):   # TF32 off for float32/float64 runs, then restored
+        flags = precision_flags()
+        steps = (_batched_steps if batched else _loop_steps)(alg, ids, n_tokens, tokenizer, progress, desc)
     ids += [s["next_token"] for s in steps]  # both continued on the baseline's token
     summary = summarize(steps)
     return {
@@ -183,14 +185,15 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
             "n_layers": alg.adapter.n_layers,
             "casts": CASTS,
             "path": "batched teacher-forced" if batched else "step by step (KV-cached targets)",
+            "precision_flags": flags,
             "environment": environment(model),
         },
     }
 
 
-def _step_record(step, position, query, base_logits, patched_logits, layers, diag, tokenizer) -> dict:
+def _step_record(step, position, query, metrics, layers, diag, tokenizer) -> dict:
     rec = {"step": step, "position": position, "query_token": query}
-    rec.update(compare_logits(base_logits, patched_logits))
+    rec.update(metrics)
     rec["diagnostics"] = step_diagnostics(layers, diag)
     if tokenizer is not None:
         rec["baseline_text"] = tokenizer.decode([rec["baseline_token"]])
@@ -206,8 +209,8 @@ def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc
                      leave=False):
         q_logits, record = alg.patched(ids[-1], len(ids) - 1, targets)
         layers = sorted(record.patches)
-        rec = _step_record(step, len(ids) - 1, ids[-1], logits, q_logits, layers,
-                           diag_rows(record.patches, 1)[0].tolist(), tokenizer)
+        rec = _step_record(step, len(ids) - 1, ids[-1], compare_rows(logits, q_logits)[0], layers,
+                           diag_rows(record.patches, 1)[0], tokenizer)
         rec["next_token"] = rec["baseline_token"]
         if getattr(record, "reused", False):
             rec["reused"] = True
@@ -230,10 +233,11 @@ def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, d
     positions = list(range(len(prompt_ids) - 1, len(seq)))
     base, patched, record, _ = alg.batched(seq, positions)
     layers = sorted(record.patches)
-    diag = diag_rows(record.patches, len(positions)).tolist()
+    diag = diag_rows(record.patches, len(positions))
+    metrics = compare_rows(base, patched)          # every row's metrics in one host transfer
     steps = []
     for i, p in enumerate(tqdm(positions, desc=desc or "batched", disable=not progress, leave=False)):
-        rec = _step_record(i, p, seq[p], base[i], patched[i], layers, diag[i], tokenizer)
+        rec = _step_record(i, p, seq[p], metrics[i], layers, diag[i], tokenizer)
         rec["next_token"] = gen[i]
         rec["baseline_argmax_differs"] = rec["baseline_token"] != gen[i]
         steps.append(rec)

@@ -68,7 +68,7 @@ def invert_rows(g: torch.Tensor, m: torch.Tensor, max_iter: int = MAX_ITERATIONS
             hi = torch.where(moving & ~neg, mid, hi)
             iters += moving
         done += _CHUNK
-        if g64.device.type == "cpu" and not bool(moving.any()):
+        if g64.device.type == "cpu" and _cpu_only_converged(moving):
             break
     mu = lo   # F(lo) < 0 <= F(hi): lo keeps every denominator strictly positive
     y = gm / (m2 - mu.unsqueeze(-1))
@@ -83,6 +83,11 @@ def invert_rows(g: torch.Tensor, m: torch.Tensor, max_iter: int = MAX_ITERATIONS
     return InversionResult(y=torch.where(h, y_h, y), mu=torch.where(hard, m2_min.expand_as(mu), mu), hard_case=hard,
                            iterations=torch.where(hard, torch.zeros_like(iters), iters),
                            constraint_residual=torch.where(hard, torch.zeros_like(residual), residual))
+
+
+def _cpu_only_converged(moving: torch.Tensor) -> bool:
+    """Early exit of the bisection, asked on the CPU only (free there; a GPU runs the whole budget instead)."""
+    return not bool(moving.any())
 
 
 @dataclass

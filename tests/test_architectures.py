@@ -241,3 +241,15 @@ def test_falcon_40b_layout_with_two_layernorms():
     res = run(model, 2)
     assert res["summary"]["n_match"] == 2 and res["max_block_error"] <= 1e-10
     assert max(single_block_errors(model, PROMPT)) <= 1e-10
+
+
+def test_offloaded_layers_are_refused(tmp_path):
+    """device_map sends layer 1 to disk: its weights are 'meta' between uses, so patching it is refused, naming it."""
+    from transformers import AutoModelForCausalLM
+    from ctxpatch_lite.fixtures import tiny_gemma3
+    tiny_gemma3(seed=0, dtype="float32").save_pretrained(tmp_path / "m")
+    dm = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+          "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu", "model.layers.3": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=dm, offload_folder=str(tmp_path / "off"))
+    with pytest.raises(UnsupportedArchitectureError, match=r"layers 1 of this model are offloaded.*GPU memory"):
+        Algorithm1(model)
