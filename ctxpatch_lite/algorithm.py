@@ -49,6 +49,34 @@ LEGACY_MODES = {"selfcorrect": ("selfcorrect", "full"), "ideal": ("oracle", "ful
 MODES = tuple(LEGACY_MODES)
 
 
+def resolve_layer(spec, n_layers: int) -> int:
+    """A layer named relative to the model: an index (negative counts from the end: -1 is the last layer),
+    ``"first"``/``"last"``, or a fraction of depth in [0, 1] written with a point (layer ``round(f * n_layers)``,
+    capped at the last): ``0.5`` is the middle layer of any model. Strings of these work too (the CLI)."""
+    orig = spec
+    if isinstance(spec, str):
+        s = spec.strip().lower()
+        if s in ("first", "last"):
+            return 0 if s == "first" else n_layers - 1
+        try:
+            spec = float(s) if any(c in s for c in ".e") else int(s)
+        except ValueError:
+            spec = None
+    if isinstance(spec, bool) or not isinstance(spec, (int, float)):
+        raise ValueError(f"start_layer {orig!r} is not a layer: give an index (0..{n_layers - 1}, or negative from the "
+                         f"end), 'first', 'last', or a fraction of depth such as 0.5")
+    if isinstance(spec, float):
+        if not 0.0 <= spec <= 1.0:
+            raise ValueError(f"start_layer {orig!r}: a fraction of depth must lie in [0, 1]")
+        return min(int(round(spec * n_layers)), n_layers - 1)
+    idx = spec + n_layers if spec < 0 else spec
+    if not 0 <= idx < n_layers:
+        raise ValueError(f"start_layer {orig} is out of range: this model has {n_layers} decoder layers, so "
+                         f"start_layer must be in 0..{n_layers - 1} or -{n_layers}..-1 ({n_layers - 1}, -1 or "
+                         f"'last' = last layer only)")
+    return idx
+
+
 def from_legacy_mode(mode: str) -> tuple[str, str]:
     """(schedule, parts) of a first-edition ``mode``; its ``ideal`` fed recorded inputs, i.e. ``oracle``."""
     if mode not in LEGACY_MODES:
@@ -60,7 +88,7 @@ def from_legacy_mode(mode: str) -> tuple[str, str]:
 @dataclass
 class PatchConfig:
     variant: str = "naive"
-    start_layer: int = 0
+    start_layer: int | str | float = 0   # index, negative from the end, "last", or a fraction of depth
     h_source: str = "actual"
     apply: str = "factored"
     schedule: str = "selfcorrect"
@@ -82,13 +110,20 @@ class PatchConfig:
                                      ("parts", self.parts, tuple(PARTS))):
             if value not in choices:
                 raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
-        if not isinstance(self.start_layer, int) or not 0 <= self.start_layer < n_layers:
-            raise ValueError(f"start_layer {self.start_layer!r} is out of range: this model has {n_layers} decoder "
-                             f"layers, so start_layer must be an integer in 0..{n_layers - 1} "
-                             f"({n_layers - 1} = last layer only)")
+        resolve_layer(self.start_layer, n_layers)
         if self.patch_dtype is not None and self.patch_dtype not in DTYPES:
             raise ValueError(f"unknown patch_dtype {self.patch_dtype!r}; choose one of: {', '.join(DTYPES)}")
         return self
+
+    def resolved(self, n_layers: int) -> "PatchConfig":
+        """A validated copy whose ``start_layer`` is this model's index; the spec as given is kept in
+        ``start_layer_spec`` (the run record shows both)."""
+        spec = getattr(self, "start_layer_spec", self.start_layer)
+        self.validate(n_layers)
+        out = PatchConfig.from_dict(self.to_dict())
+        out.start_layer = resolve_layer(spec, n_layers)
+        out.start_layer_spec = spec
+        return out
 
     @property
     def label(self) -> str:
@@ -98,12 +133,15 @@ class PatchConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("mode")
+        if hasattr(self, "start_layer_spec"):
+            d["start_layer_spec"] = self.start_layer_spec
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "PatchConfig":
         """Read a config from a record, old (``mode``) or new (``schedule``, ``parts``)."""
         keys = ("variant", "start_layer", "h_source", "apply", "schedule", "parts", "patch_dtype")
+        d = {**d, "start_layer": d.get("start_layer_spec", d.get("start_layer", 0))}
         kw = {k: d[k] for k in keys if k in d}
         if "schedule" not in d and "mode" in d:
             kw["schedule"], kw["parts"] = from_legacy_mode(d["mode"])
@@ -116,7 +154,7 @@ class Algorithm1:
     def __init__(self, model, config: PatchConfig | None = None):
         self.model = model
         self.adapter = Adapter(model)
-        self.config = (config or PatchConfig()).validate(self.adapter.n_layers)
+        self.config = (config or PatchConfig()).resolved(self.adapter.n_layers)
         if self.config.variant == "stable" and not self.adapter.stable_ok and self.config.parts == "full":
             raise ValueError(f"variant 'stable' needs a trainable post-norm scale after the MLP (Appendix B: Gemma 2/3, "
                              f"OLMo 2); this {self.adapter.family.key} model's output patch is a "

@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--patch-dtype", default=None, help="dtype the patches are built in (default: float32, or "
                                                         "float64 for float64 models)")
     ap.add_argument("--variant", default="naive", help=f"{' | '.join(VARIANTS)}")
-    ap.add_argument("--start-layer", type=int, default=0, help="0-based first patched layer")
+    ap.add_argument("--start-layer", default="0", help="first patched layer: an index (0-based; negative counts from "
+                                                      "the end), 'last', or a fraction of depth such as 0.5")
     ap.add_argument("--apply", default="factored", help=f"{' | '.join(APPLY_MODES)}")
     ap.add_argument("--h-source", default="actual", help=f"{' | '.join(H_SOURCES)}")
     ap.add_argument("--schedule", default=None, help=f"{' | '.join(SCHEDULES)} (default selfcorrect)")

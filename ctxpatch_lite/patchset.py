@@ -133,7 +133,7 @@ class PatchSet:
 
     # -- forms -----------------------------------------------------------------------------------------------
     def _alg(self, model, apply="factored") -> Algorithm1:
-        cfg = PatchConfig(**{**self.config.to_dict(), "apply": apply})
+        cfg = PatchConfig.from_dict({**self.config.to_dict(), "apply": apply})
         return Algorithm1(model, cfg)
 
     def _ids(self, alg):
@@ -380,7 +380,7 @@ def absorb(model, context, tokenizer=None, config: PatchConfig | None = None) ->
         raise ValueError(f"absorb builds patches a model can hold: schedule 'selfcorrect' or 'ideal' with some parts "
                          f"(got schedule {config.schedule!r}, parts {config.parts!r}; 'oracle' feeds recorded inputs "
                          f"and 'fixed' is a generation protocol)")
-    alg = Algorithm1(model, PatchConfig(**{**config.to_dict(), "apply": "factored"}))
+    alg = Algorithm1(model, PatchConfig.from_dict({**config.to_dict(), "apply": "factored"}))
     logits, T, _ = alg.full_context(ids)
     layers = list(range(alg.config.start_layer, alg.adapter.n_layers))
     ps = PatchSet(ids[-1], len(ids) - 1, ids, alg.config, {l: T[l] for l in layers},

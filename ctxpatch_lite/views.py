@@ -84,7 +84,7 @@ class Algorithm1View:
         from .protocol import run_protocol
 
         model, tok = self.model(model_name, dtype)
-        cfg = PatchConfig(variant=variant, start_layer=int(start_layer), apply=apply, h_source=h_source,
+        cfg = PatchConfig(variant=variant, start_layer=start_layer, apply=apply, h_source=h_source,
                           schedule=schedule, parts=parts)
         if batched is None:
             batched = apply == "factored" and schedule != "fixed"
@@ -124,13 +124,28 @@ class Algorithm1View:
         out = W.Output()
         status = W.HTML(value="<i>change a control to rerun Algorithm 1 and redraw</i>")
 
+        busy = []
+
+        def follow_model(model_name):
+            """The start-layer slider's range follows the loaded model (a 26-layer model after an 18-layer one)."""
+            n = self.model(model_name, c["dtype"].value)[0].config.num_hidden_layers
+            if c["start_layer"].max != n - 1:
+                busy.append(1)          # moving the slider's range may move its value: no second rerun
+                try:
+                    c["start_layer"].max = n - 1
+                finally:
+                    busy.pop()
+
         def rerun(_=None):
+            if busy:
+                return
             prompt = c["free_text"].value if c["prompt"].value == "__free__" else c["prompt"].value
             status.value = "<b>running…</b>"
             with out:
                 out.clear_output(wait=True)
                 try:
                     model_name = None if c["model"].value == EMBEDDED else c["model"].value
+                    follow_model(model_name)
                     res = self.render(prompt, model_name=model_name, dtype=c["dtype"].value,
                                       tokens=initial["tokens"], variant=c["variant"].value,
                                       start_layer=c["start_layer"].value)

@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def grid(sets=("main", "sweep")):
-    if "sweep" in sets:  # Appendix C.4: start-layer sweep incl. last layer only (17 of 0..17)
+    if "sweep" in sets:  # Appendix C.4: start-layer sweep, relative to the model's depth, down to the last layer only
         for dtype in ("float32", "bfloat16"):
             for variant in ("naive", "stable"):
-                for start in (6, 12, 16, 17):
+                for _, start in SWEEP:
                     yield dtype, PatchConfig(variant=variant, start_layer=start, apply="materialized")
     if "main" not in sets:
         return
@@ -42,11 +42,15 @@ def grid(sets=("main", "sweep")):
             yield dtype, PatchConfig(parts=parts)
 
 
+SWEEP = (("third", 1 / 3), ("two-thirds", 2 / 3), ("second-to-last", -2), ("last", "last"))
+
+
 def name_of(dtype, c: PatchConfig) -> str:
     if c.schedule != "selfcorrect" or c.parts != "full":
         return f"{dtype}-{c.label}"
     if c.start_layer:
-        return f"{dtype}-{c.variant}-start{c.start_layer:02d}"
+        tag = next(t for t, spec in SWEEP if spec == c.start_layer)
+        return f"{dtype}-{c.variant}-start-{tag}"
     return f"{dtype}-{c.variant}-{c.apply}-{c.h_source}"
 
 

@@ -50,7 +50,20 @@ def test_start_layer_out_of_range(tiny64):
     with pytest.raises(ValueError, match=r"start_layer 4 is out of range: this model has 4 decoder layers"):
         Algorithm1(tiny64, PatchConfig(start_layer=4))
     with pytest.raises(ValueError, match="out of range"):
-        Algorithm1(tiny64, PatchConfig(start_layer=-1))
+        Algorithm1(tiny64, PatchConfig(start_layer=-5))
+    with pytest.raises(ValueError, match="fraction of depth must lie in"):
+        Algorithm1(tiny64, PatchConfig(start_layer=1.5))
+    with pytest.raises(ValueError, match="is not a layer"):
+        Algorithm1(tiny64, PatchConfig(start_layer="middle"))
+
+
+@pytest.mark.parametrize("spec,layer", [("last", 3), (-1, 3), (-4, 0), ("first", 0), (0.5, 2), (1.0, 3), ("0.25", 1),
+                                        ("-2", 2), (2, 2)])
+def test_start_layer_relative_to_the_model(tiny64, spec, layer):
+    alg = Algorithm1(tiny64, PatchConfig(start_layer=spec))
+    assert alg.config.start_layer == layer and alg.config.to_dict()["start_layer_spec"] == spec
+    m, rec = one_step(tiny64, start_layer=spec)
+    assert sorted(rec.patches) == list(range(layer, 4)) and m["linf"] <= 1e-10
 
 
 @pytest.mark.parametrize("field,value", [("variant", "fancy"), ("mode", "oops"), ("apply", "dense"),

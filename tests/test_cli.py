@@ -75,6 +75,7 @@ def test_prompt_file_pools_prompts(folders, tmp_path):
     (["--parts", "half"], "unknown parts 'half'"),
     (["--mode", "none", "--parts", "none"], "give one or the other"),
     (["--start-layer", "4"], "start_layer 4 is out of range"),
+    (["--start-layer", "middle"], "start_layer 'middle' is not a layer"),
     (["--tokens", "0"], "--tokens must be at least 1"),
 ])
 def test_bad_arguments_one_line(folders, args, needle):
@@ -104,3 +105,13 @@ def test_legacy_mode_maps_with_a_note(folders, tmp_path):
     assert "runs as --schedule oracle --parts full" in r.stderr
     c = json.loads(out.read_text())["config"]
     assert (c["schedule"], c["parts"]) == ("oracle", "full")
+
+
+def test_start_layer_last(folders, tmp_path):
+    out = tmp_path / "last.json"
+    r = cli("--model", folders["gemma"], "--prompt", "hello world", "--tokens", "2", "--start-layer", "last",
+            "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    c = json.loads(out.read_text())["config"]
+    assert c["start_layer"] == 3 and c["start_layer_spec"] == "last"
+    assert json.loads(out.read_text())["steps"][0]["diagnostics"]["per_layer"]["layer"] == [3]

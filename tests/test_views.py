@@ -51,3 +51,20 @@ def test_run_table_counts(folder):
     view = Algorithm1View(progress=False)
     run = view.run("hello", model_name=folder, tokens=2)
     assert "(2/2)" in run_table(run) or "/2)" in run_table(run)
+
+
+def test_start_layer_slider_follows_the_model(folder, tmp_path, monkeypatch):
+    import ipywidgets  # noqa: F401
+    import ctxpatch_lite.views as views
+    small = tmp_path / "two_layers"
+    tiny_gemma3(seed=8, num_layers=2).save_pretrained(small)
+    tiny_tokenizer().save_pretrained(small)
+    monkeypatch.setattr(views, "available_models", lambda: {"tiny": folder, "two": str(small)})
+    view = Algorithm1View(progress=False)
+    panel = view.app(dict(prompt="hello there", model_name=folder, dtype="float32", tokens=2, variant="naive",
+                          start_layer=3), n_layers=4, prompts=[{"id": "p", "text": "hello there"}])
+    c = panel.controls
+    assert c["start_layer"].max == 3
+    c["model"].value = str(small)
+    assert c["start_layer"].max == 1 and c["start_layer"].value == 1
+    assert "done" in panel.children[-2].value and "start layer 1" in panel.children[-2].value
