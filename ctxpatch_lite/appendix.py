@@ -86,7 +86,7 @@ def _growing_contexts(model, prompt_ids: list, layer: int) -> tuple:
     query, ctx = prompt_ids[-1], prompt_ids[:-1]
     records = []
     for k in range(len(ctx) + 1):
-        ids = torch.tensor([ctx[len(ctx) - k:] + [query]])
+        ids = torch.tensor([ctx[len(ctx) - k:] + [query]], device=next(model.parameters()).device)
         with float64_norms(model, ad.family.scale_offset), Recorder(ad) as rec:
             model(input_ids=ids, use_cache=False)
         records.append(rec.targets()[layer].select(0))

@@ -29,8 +29,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, factor: float = 1.0) -> torch.Tensor:
     """Rotary position embedding on (..., T, head_dim), halves layout (as in transformers' rotate_half)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    ang = (positions.to(torch.float32)[:, None] / factor) * inv_freq[None, :]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    ang = (positions.to(device=x.device, dtype=torch.float32)[:, None] / factor) * inv_freq[None, :]
     cos, sin = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
@@ -91,7 +91,7 @@ class GemmaBlock:
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> BlockTrace:
         """x: (T, d) residual stream rows of one sequence; positions: (T,) absolute positions (default 0..T-1)."""
-        positions = torch.arange(x.shape[0]) if positions is None else positions
+        positions = torch.arange(x.shape[0], device=x.device) if positions is None else positions.to(x.device)
         attn = self.attention(self.norm("input_layernorm", x), positions)
         v = x + self.norm("post_attention_layernorm", attn)
         z = self.norm("pre_feedforward_layernorm", v)

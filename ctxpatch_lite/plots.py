@@ -131,10 +131,19 @@ def singular_values(svals: dict):
     return fig
 
 
+def _host(x) -> np.ndarray:
+    """float64 numpy array of a tensor (on any device: ``.cpu()`` first) or an array-like."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu", dtype=torch.float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
 def h_histogram(abs_h, n_zero: int, title: str = ""):
     """Histogram of |h_i| (log10) over layers and tokens; the count of exact zeros (fallbacks) in the title."""
     fig, ax = plt.subplots(figsize=(7, 3.4))
-    vals = np.asarray(abs_h, dtype=np.float64)
+    vals = _host(abs_h)
     pos = vals[vals > 0]
     ax.hist(np.log10(pos), bins=80, color="#4c72b0")
     ax.set_xlabel("log10 |h_i|   (h = N(W_down h_g), what Δm divides by)")
@@ -150,11 +159,12 @@ def secular_function(g, m, mu_root: float, hard_case: bool = False):
     import torch
 
     from .stable import F
-    m2min = float((torch.as_tensor(m, dtype=torch.float64) ** 2).min())
+    g, m = torch.as_tensor(g).detach().cpu(), torch.as_tensor(m).detach().cpu()   # a figure is drawn on the host
+    m2min = float((m.to(torch.float64) ** 2).min())
     span = max(1.0, abs(m2min - mu_root) * 4)
     mus = np.concatenate([np.linspace(m2min - span, m2min - span / 50, 300),
                           m2min - np.logspace(math.log10(span / 50), -8, 300)])
-    Fs = F(torch.tensor(mus), torch.as_tensor(g), torch.as_tensor(m)).numpy()
+    Fs = F(torch.tensor(mus), g, m).numpy()
     fig, ax = plt.subplots(figsize=(7, 3.4))
     ax.plot(mus, np.arcsinh(Fs), lw=1.5)
     ax.axhline(0, color="k", lw=0.8)
@@ -172,7 +182,7 @@ def distributions(values: dict, xlabel: str, title: str):
     """Overlaid histograms of log10 |x| for several labelled arrays (e.g. Δm per variant)."""
     fig, ax = plt.subplots(figsize=(7, 3.4))
     for i, (label, v) in enumerate(values.items()):
-        v = np.abs(np.asarray(v, dtype=np.float64))
+        v = np.abs(_host(v))
         v = v[v > 0]
         ax.hist(np.log10(v), bins=60, alpha=0.55, label=label, color=_color(label, i))
     ax.set_xlabel(xlabel)
