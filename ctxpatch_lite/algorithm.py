@@ -200,27 +200,37 @@ class Algorithm1:
         return {l: LayerSpec(targets=targets[l], parts=parts, variant=c.variant, h_source=c.h_source,
                              oracle=oracle or c.schedule == "oracle") for l in layers}
 
-    def run_pass(self, ids, pos, specs, apply=None) -> tuple[torch.Tensor, PatchedPass]:
-        """One no-context forward of the query rows ``ids`` (N, 1) at positions ``pos`` (N, 1) with ``specs``."""
+    def run_pass(self, ids, pos, specs, apply=None, hidden=False) -> tuple[torch.Tensor, PatchedPass]:
+        """One no-context forward of the query rows ``ids`` (N, 1) at positions ``pos`` (N, 1) with ``specs``;
+        returns (logits (N, V), the pass), or with ``hidden=True`` the final hidden rows (N, d) instead of logits."""
         pp = PatchedPass(self.adapter, specs, apply=apply or self.config.apply, pdtype=self.pdtype)
         with self.norms(), pp:
+            if hidden:
+                out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+                return out[:, -1], pp
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
         return out.logits[:, -1], pp
 
-    def _schedule(self, ids, pos, targets):
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's own output head on final hidden rows (with Gemma 2's final logit soft-capping)."""
+        logits = self.model.get_output_embeddings()(h)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _schedule(self, ids, pos, targets, hidden=False):
         c = self.config
         if c.schedule == "fixed" and self._fixed is not None:
             logits, pp = self.run_pass(ids, pos, {l: LayerSpec(patch=p, targets=targets[l])
-                                                  for l, p in self._fixed.items()})
+                                                  for l, p in self._fixed.items()}, hidden=hidden)
             pp.reused = True
             return logits, pp
         if c.schedule == "ideal":
-            _, built = self.run_pass(ids, pos, self.specs(targets, oracle=True))
+            _, built = self.run_pass(ids, pos, self.specs(targets, oracle=True), hidden=True)
             logits, pp = self.run_pass(ids, pos, {l: LayerSpec(patch=p, targets=targets[l])
-                                                  for l, p in built.patches.items()})
+                                                  for l, p in built.patches.items()}, hidden=hidden)
             pp.patches = built.patches
             return logits, pp
-        logits, pp = self.run_pass(ids, pos, self.specs(targets))
+        logits, pp = self.run_pass(ids, pos, self.specs(targets), hidden=hidden)
         if c.schedule == "fixed":
             self._fixed = dict(pp.patches)
         return logits, pp
@@ -252,9 +262,15 @@ class Algorithm1:
         n = ids.shape[1]
         if pos.numel() == 0 or not all(0 <= int(p) < n for p in positions):
             raise ValueError(f"positions must lie in 0..{n - 1}")
-        base, targets, _ = self.full_context(ids, positions=pos)
-        logits, pp = self._schedule(ids[0, pos].reshape(-1, 1), pos.reshape(-1, 1), targets)
-        return base, logits, pp, targets
+        # Both passes stop at the final hidden rows; one output-head product over all 2N rows then gives the
+        # baseline and the patched logits (one large matrix product streams the head's weights once).
+        with self.norms(), Recorder(self.adapter, pos) as rec:
+            h_full = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, pos]
+        targets = rec.targets()
+        h_query, pp = self._schedule(ids[0, pos].reshape(-1, 1), pos.reshape(-1, 1), targets, hidden=True)
+        with self.norms():
+            logits = self.head(torch.cat([h_full, h_query]))
+        return logits[: len(pos)], logits[len(pos):], pp, targets
 
 
 def layer_errors(record, targets) -> list[float]:
