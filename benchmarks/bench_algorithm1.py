@@ -112,7 +112,7 @@ def _timed(fn):
     return time.perf_counter() - t0
 
 
-def host_syncs(model, tok, text: str, n: int) -> dict:
+def host_syncs(model, prompt_ids: list, n: int) -> dict:
     """Host transfers per generated token of run_protocol, by path and variant (after one warm-up run each)."""
     from ctxpatch_lite.algorithm import PatchConfig
     from ctxpatch_lite.hostsync import count_host_syncs
@@ -122,9 +122,9 @@ def host_syncs(model, tok, text: str, n: int) -> dict:
     for batched in (False, True):
         for variant in ("naive", "stable"):
             cfg = PatchConfig(variant=variant)
-            run_protocol(model, tok, text, 2, cfg, progress=False, batched=batched)
+            run_protocol(model, prompt_ids=prompt_ids, n_tokens=2, config=cfg, progress=False, batched=batched)
             with count_host_syncs() as c:
-                run_protocol(model, tok, text, n, cfg, progress=False, batched=batched)
+                run_protocol(model, prompt_ids=prompt_ids, n_tokens=n, config=cfg, progress=False, batched=batched)
             out[f"{'batched' if batched else 'loop'}_{variant}"] = {"package": c["package"] / n,
                                                                      "all": c["total"] / n}
     return out
@@ -206,7 +206,7 @@ def main(argv=None):
     per_token = {k: v["seconds"] / total for k, v in rows.items()}
     first = tok(prompts[0]["text"])["input_ids"]
     floor = batched_floor(model, len(first) + n - 1, n) / n
-    syncs = host_syncs(model, tok, prompts[0]["text"], n)
+    syncs = host_syncs(model, first, n)
     result = {
         "ratio_step_over_decode": per_token["loop_factored"] / per_token["decode"],
         "ratio_loop_over_batched": per_token["loop_factored"] / per_token["batched"],

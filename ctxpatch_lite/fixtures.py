@@ -109,6 +109,58 @@ def tiny_gemma3(seed: int = 0, dtype="float32", num_layers: int = 4, vocab: int 
     return model
 
 
+# google/gemma-3-1b-it's published configuration (config.json of the checkpoint).
+GEMMA3_1B = dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                 query_pre_attn_scalar=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                 layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+                 pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
+
+
+def gemma3_1b_shaped(seed: int = 0, progress: bool = True):
+    """A local folder with a random-weight ``Gemma3ForCausalLM`` of google/gemma-3-1b-it's shape (26 layers,
+    hidden 1152, intermediate 6912, 4 heads / 1 KV head, head_dim 256, sliding window 512 on 5 of every 6 layers,
+    vocab 262,144), in bfloat16 (2 GB), with the embedded Gemma 3 tokenizer saved beside it: the full-size
+    rehearsal of the GPU run, on any machine. Built once (about a minute) and cached like the embedded model.
+
+    Weights: transformers' own initialisation, except the RMSNorm scales, drawn from normal(0, 0.5) (Gemma scales
+    by ``1 + w``; the default of 0 would make every scale patch degenerate). Seeded."""
+    import transformers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from .models import _atomic_folder, _ensure, cache_root, ensure_embedded
+
+    folder = cache_root() / f"gemma-3-1b-shaped-random-seed{seed}-transformers-{transformers.__version__}"
+
+    def build():
+        from transformers import AutoTokenizer
+
+        if progress:
+            print(f"[ctxpatch_lite] building the Gemma-3-1B-shaped rehearsal model once into {folder}", flush=True)
+        with _atomic_folder(folder, "bfloat16") as tmp:
+            torch.manual_seed(seed)
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)       # initialise in bfloat16: 2 GB, not 4 GB, of memory
+            try:
+                model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_1B))
+            finally:
+                torch.set_default_dtype(old)
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            model.config.dtype = torch.bfloat16
+            model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(ensure_embedded(progress=progress)).save_pretrained(tmp)
+            del model
+
+    _ensure(folder, build, "Gemma-3-1B-shaped rehearsal model", progress)
+    return folder
+
+
 def tiny_tokenizer():
     """A character-level fast tokenizer (printable ASCII) with Gemma's special ids: <pad>=0, <eos>=1, <bos>=2."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders

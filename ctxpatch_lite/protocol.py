@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import platform
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -156,9 +157,11 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     alg = Algorithm1(model, config or PatchConfig())
     alg.reset()
     ids = list(prompt_ids)
+    t0 = time.perf_counter()
     with exact_float32(alg.adapter.dtype != torch.bfloat16):   # TF32 off for float32/float64 runs, then restored
         flags = precision_flags()
         steps = (_batched_steps if batched else _loop_steps)(alg, ids, n_tokens, tokenizer, progress, desc)
+    seconds = time.perf_counter() - t0
     ids += [s["next_token"] for s in steps]  # both continued on the baseline's token
     summary = summarize(steps)
     return {
@@ -173,6 +176,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
         "linf": [s["linf"] for s in steps],
         "tvd": [s["tvd"] for s in steps],
         "summary": summary,
+        "seconds": seconds,                 # wall time of the protocol (metrics included; loading excluded)
         "steps": steps,
         "config": {
             **alg.config.to_dict(),
