@@ -20,8 +20,8 @@ from .metrics import aggregate, compare_rows
 from .models import dtype_name
 from .hooks import exact_float32, precision_flags
 from .patches import DIAG_KEYS
+from .records import SCHEMA_VERSION, RunRecord, StepRecord, upgrade_record  # noqa: F401
 
-SCHEMA_VERSION = 2
 
 
 class PromptError(ValueError):
@@ -162,23 +162,15 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
         flags = precision_flags()
         steps = (_batched_steps if batched else _loop_steps)(alg, ids, n_tokens, tokenizer, progress, desc)
     seconds = time.perf_counter() - t0
-    ids += [s["next_token"] for s in steps]  # both continued on the baseline's token
-    summary = summarize(steps)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "prompt": prompt,
-        "prompt_ids": prompt_ids,
-        "prompt_encoding": "chat_template" if chat_template else "plain (tokenizer(prompt), with BOS)",
-        "generated_ids": ids[len(prompt_ids):],
-        "generated_text": tokenizer.decode(ids[len(prompt_ids):]) if tokenizer is not None else None,
-        "n_tokens": len(steps),
-        "token_match": summary["token_match"],
-        "linf": [s["linf"] for s in steps],
-        "tvd": [s["tvd"] for s in steps],
-        "summary": summary,
-        "seconds": seconds,                 # wall time of the protocol (metrics included; loading excluded)
-        "steps": steps,
-        "config": {
+    ids += [s.next_token for s in steps]  # both continued on the baseline's token
+    dicts = [s.to_dict() for s in steps]
+    return RunRecord(
+        prompt=prompt, prompt_ids=prompt_ids,
+        prompt_encoding="chat_template" if chat_template else "plain (tokenizer(prompt), with BOS)",
+        generated_ids=ids[len(prompt_ids):],
+        generated_text=tokenizer.decode(ids[len(prompt_ids):]) if tokenizer is not None else None,
+        steps=steps, summary=summarize(dicts), seconds=seconds,
+        config={
             **alg.config.to_dict(),
             "patch_dtype": alg.patch_dtype_name,
             "model": getattr(model, "ctxpatch_source", type(model).__name__),
@@ -192,20 +184,18 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
             "precision_flags": flags,
             "environment": environment(model),
         },
-    }
+    ).to_dict()
 
 
-def _step_record(step, position, query, metrics, layers, diag, tokenizer) -> dict:
-    rec = {"step": step, "position": position, "query_token": query}
-    rec.update(metrics)
-    rec["diagnostics"] = step_diagnostics(layers, diag)
-    if tokenizer is not None:
-        rec["baseline_text"] = tokenizer.decode([rec["baseline_token"]])
-        rec["patched_text"] = tokenizer.decode([rec["patched_token"]])
-    return rec
+def _step_record(step, position, query, metrics, layers, diag, tokenizer, **extra) -> StepRecord:
+    return StepRecord(step=step, position=position, query_token=query, **metrics,
+                      diagnostics=step_diagnostics(layers, diag), next_token=extra.pop("next_token"),
+                      baseline_text=tokenizer.decode([metrics["baseline_token"]]) if tokenizer is not None else None,
+                      patched_text=tokenizer.decode([metrics["patched_token"]]) if tokenizer is not None else None,
+                      **extra)
 
 
-def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc) -> list[dict]:
+def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc) -> list[StepRecord]:
     """Step by step: one KV-cached full-context decode step (targets) and one patched pass per token."""
     ids, steps = list(prompt_ids), []
     logits, targets, cache = alg.full_context(ids)
@@ -213,19 +203,18 @@ def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc
                      leave=False):
         q_logits, record = alg.patched(ids[-1], len(ids) - 1, targets)
         layers = sorted(record.patches)
-        rec = _step_record(step, len(ids) - 1, ids[-1], compare_rows(logits, q_logits)[0], layers,
-                           diag_rows(record.patches, 1)[0], tokenizer)
-        rec["next_token"] = rec["baseline_token"]
-        if getattr(record, "reused", False):
-            rec["reused"] = True
+        metrics = compare_rows(logits, q_logits)[0]
+        rec = _step_record(step, len(ids) - 1, ids[-1], metrics, layers, diag_rows(record.patches, 1)[0], tokenizer,
+                           next_token=metrics["baseline_token"], reused=True if getattr(record, "reused", False)
+                           else None)
         steps.append(rec)
-        ids.append(rec["baseline_token"])  # both continue on the baseline's token
+        ids.append(rec.baseline_token)  # both continue on the baseline's token
         if step < n_tokens - 1:
-            logits, targets, cache = alg.full_context([rec["baseline_token"]], cache)
+            logits, targets, cache = alg.full_context([rec.baseline_token], cache)
     return steps
 
 
-def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc) -> list[dict]:
+def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc) -> list[StepRecord]:
     """Teacher-forced: baseline tokens first, then all targets and all patched passes in one batch each.
 
     The history follows the KV-cached greedy tokens (``next_token``). The compared baseline logits come from
@@ -241,20 +230,6 @@ def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, d
     metrics = compare_rows(base, patched)          # every row's metrics in one host transfer
     steps = []
     for i, p in enumerate(tqdm(positions, desc=desc or "batched", disable=not progress, leave=False)):
-        rec = _step_record(i, p, seq[p], metrics[i], layers, diag[i], tokenizer)
-        rec["next_token"] = gen[i]
-        rec["baseline_argmax_differs"] = rec["baseline_token"] != gen[i]
-        steps.append(rec)
+        steps.append(_step_record(i, p, seq[p], metrics[i], layers, diag[i], tokenizer, next_token=gen[i],
+                                  baseline_argmax_differs=metrics[i]["baseline_token"] != gen[i]))
     return steps
-
-
-def upgrade_record(rec: dict) -> dict:
-    """A run record of any schema version, read as this one: a first-edition ``config.mode`` becomes
-    (``schedule``, ``parts``), its ``ideal`` becoming ``oracle`` (what it did)."""
-    cfg = rec.get("config", {})
-    if "mode" in cfg and "schedule" not in cfg:
-        from .algorithm import from_legacy_mode
-        rec = {**rec, "config": {**cfg}}
-        rec["config"]["schedule"], rec["config"]["parts"] = from_legacy_mode(cfg["mode"])
-    rec.setdefault("schema_version", 1)
-    return rec

@@ -234,3 +234,15 @@ def test_three_schedules_on_the_embedded_model(prompts, dtype):
         got[schedule] = r["summary"]["n_match"]
     if dtype == "float32":
         assert got["selfcorrect"] == got["oracle"] == 4
+
+
+def test_run_record_is_typed_and_round_trips(tiny32):
+    import json
+    from ctxpatch_lite.records import SCHEMA_VERSION, RunRecord
+    r = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=3, progress=False, config=PatchConfig(schedule="fixed"))
+    assert r["schema_version"] == SCHEMA_VERSION
+    typed = RunRecord.from_dict(json.loads(json.dumps(r)))
+    assert typed.steps[1].reused and typed.steps[0].reused is None and typed.config["schedule"] == "fixed"
+    assert typed.to_dict() == json.loads(json.dumps(r))
+    old = {"config": {"mode": "ideal"}, "steps": [], "summary": {"token_match": 1.0}}
+    assert RunRecord.from_dict(old).config["schedule"] == "oracle" and RunRecord.from_dict(old).schema_version == 1
