@@ -22,7 +22,7 @@ from .patches import Rank1, input_patch, safe_divide, z_zero_message, zero_rows
 from .stable import invert_rows
 
 
-def _add_rows(out: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+def add_rows(out: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
     """``out`` plus one vector per query row (``vec`` (N, d); ``out`` (N, T, d) or (N*T, d))."""
     n = vec.shape[0]
     return (out.reshape(n, -1, out.shape[-1]) + vec.to(out.dtype).unsqueeze(1)).reshape(out.shape)
@@ -70,7 +70,7 @@ class BiasOutput:
     def install(self, s):
         if not s.materialized:
             s.reg(s.P.output.register_forward_hook(
-                lambda mod, args, out: out if "bias" not in s.patch.output else _add_rows(out, s.patch.output["bias"])))
+                lambda mod, args, out: out if "bias" not in s.patch.output else add_rows(out, s.patch.output["bias"])))
 
     def materialize(self, s):
         s.add(s.P.output.bias, s.patch.output["bias"][0])

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .controllers import controllers
+from .controllers import add_rows, controllers
 from .families import Adapter
 from .hooks import HookScope, PatchError, WeightScope, hidden_arg, replace_hidden, rows
 from .patches import DIAG_KEYS, LayerPatch, Rank1, default_patch_dtype
@@ -205,6 +205,9 @@ class PatchedPass(WeightScope):
             raise ValueError(f"variant 'stable' needs a trainable post-norm scale after the MLP (Appendix B); layer {l} "
                              f"of this {self.ad.family.key} model has a {P.kind} output. Use variant='naive'")
         patch = spec.patch or LayerPatch(layer=l, kind=P.kind)
+        n_rows = patch.n_rows() if spec.patch is not None else spec.targets.v.shape[0]
+        if self.apply in WRITE_MODES and n_rows != 1:
+            raise ValueError("materialized patches need one query per pass; the batched path applies patches factored")
         s = Site(l, P, self, spec, patch)
         self.patches[l] = patch
         ctrl = (_supplied_controllers(P.kind, patch) if spec.patch is not None
@@ -227,17 +230,13 @@ class PatchedPass(WeightScope):
                     c.at_mlp_input(s, z)
             self.reg(P.mlp.register_forward_pre_hook(at_mlp_input))
         elif self.apply in WRITE_MODES:
-            if patch.n_rows() != 1:
-                raise ValueError("materialized patches need one query per pass; the batched path applies them "
-                                 "factored")
             for c in ctrl:
                 c.materialize(s)
-        if self.apply in WRITE_MODES and spec.patch is None and spec.targets.v.shape[0] > 1:
-            raise ValueError("materialized patches need one query per pass; the batched path applies patches factored")
         for c in ctrl:
             c.install(s)
         self.reg(P.mlp.register_forward_hook(
-            lambda m, a, o: o if patch.vanilla is None else _vanilla(o, patch.vanilla)))
+            lambda m, a, o: o if patch.vanilla is None else add_rows(o, patch.vanilla)))
+
         def at_output(mod, args, out):
             o = self.outputs[l] = rows(out).detach().clone()
             if spec.targets is not None:   # the Theorem 1 check of this layer, as a tensor
@@ -245,11 +244,6 @@ class PatchedPass(WeightScope):
                 patch.diag["block_error"] = ((o.to(torch.float64) - ref).abs().amax(-1)
                                              / ref.abs().amax(-1).clamp_min(1e-300))
         self.reg(P.layer.register_forward_hook(at_output))
-
-
-def _vanilla(out, dv):
-    n = dv.shape[0]
-    return (out.reshape(n, -1, out.shape[-1]) + dv.to(out.dtype).unsqueeze(1)).reshape(out.shape)
 
 
 def _supplied_controllers(kind: str, patch: LayerPatch) -> list:
