@@ -159,13 +159,14 @@ class Algorithm1:
             raise ValueError(f"variant 'stable' needs a trainable post-norm scale after the MLP (Appendix B: Gemma 2/3, "
                              f"OLMo 2); this {self.adapter.family.key} model's output patch is a "
                              f"{self.adapter.parts[0].kind}. Use variant='naive'")
-        self.pdtype = DTYPES[self.config.patch_dtype] if self.config.patch_dtype else None
+        self.pdtype = (DTYPES[self.config.patch_dtype] if self.config.patch_dtype
+                       else default_patch_dtype(self.adapter.dtype))
         self.device = next(model.parameters()).device
         self._fixed = None
 
     @property
     def patch_dtype_name(self) -> str:
-        return dtype_name(self.pdtype or default_patch_dtype(self.adapter.dtype))
+        return dtype_name(self.pdtype)
 
     def reset(self):
         """Forget the patches kept by the ``fixed`` schedule (start of a new generation)."""

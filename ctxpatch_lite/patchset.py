@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from .algorithm import Algorithm1, PatchConfig
-from .engine import LayerSpec, Targets, write_patches
+from .engine import LayerSpec, PatchedPass, Targets, write_patches
 from .families import Adapter
 from .models import dtype_name
-from .patches import DIAG_KEYS, LayerPatch, Rank1
+from .patches import LayerPatch, Rank1
 
 FORMAT_VERSION = 1
 _TENSORS, _META = "patches.safetensors", "patchset.json"
@@ -145,10 +145,8 @@ class PatchSet:
     def _build(self, alg, apply) -> dict:
         """Patches computed in a pass of the ``apply`` kind, on the query alone."""
         ids, pos = self._ids(alg)
-        specs = alg.specs(self._targets(alg), layers=self.layers)
-        if alg.config.schedule == "ideal":      # ideal: computed from the recorded inputs, applied as supplied
-            for sp in specs.values():
-                sp.oracle = True
+        # ideal: the patches are computed from the recorded inputs, then applied as supplied patches
+        specs = alg.specs(self._targets(alg), oracle=alg.config.schedule == "ideal", layers=self.layers)
         _, pp = alg.run_pass(ids, pos, specs, apply=apply)
         return pp.patches
 
@@ -157,7 +155,6 @@ class PatchSet:
         """Apply the factored patches to ``model`` for the duration of the block (hooks; no weight is written)."""
         alg = self._alg(model)
         self.check_model(model, alg.adapter, weights=False)
-        from .engine import PatchedPass
         pp = PatchedPass(alg.adapter, {l: LayerSpec(patch=p) for l, p in self.forms["factored"].items()},
                          apply="factored", pdtype=alg.pdtype)
         with alg.norms(), pp:
@@ -172,7 +169,7 @@ class PatchSet:
         self.check_model(model, alg.adapter)
         if "materialized" not in self.forms:
             self.forms["materialized"] = self._build(alg, "materialized")
-        scope = write_patches(alg.adapter, self.forms["materialized"], alg.pdtype or _pdtype(alg))
+        scope = write_patches(alg.adapter, self.forms["materialized"], alg.pdtype)
         return scope.restore
 
     @torch.no_grad()
@@ -224,16 +221,13 @@ class PatchSet:
         for l, p in sorted(patches.items()):   # one host transfer per layer (inspection, not a hot path)
             entries = [{**p.inputs, **p.output}.get(k) for k in mats]
             nums = [float(e.fro()[0]) if e is not None else math.nan for e in entries]
-            d = p.diag_matrix(1, p.dv.device).cpu()[:, 0].tolist()
-            dd = dict(zip(DIAG_KEYS, d))
+            d = p.diagnostics
             ranks = [int(bool(e.u.norm() > 0) and bool(e.z.norm() > 0)) for e in entries if e is not None]
-            vals[l] = {"kind": p.kind, "||dv||": dd["dv_norm"], "||z||": dd["z_norm"],
+            vals[l] = {"kind": p.kind, "||dv||": d.dv_norm, "||z||": d.z_norm,
                        **{f"||dW_{k}||": v for k, v in zip(mats, nums)},
-                       "||dm||": dd["dm_l2"], "max|dm|": dd["dm_max_abs"], "||db||": dd["bias_l2"],
-                       "rank": max(ranks, default=0), "min|h|": dd["min_abs_h"],
-                       "fallbacks": 0 if math.isnan(dd["fallbacks"]) else int(dd["fallbacks"]),
-                       "hard case": False if math.isnan(dd["hard_case"]) else bool(dd["hard_case"]),
-                       "block error": dd["block_error"]}
+                       "||dm||": d.dm_l2, "max|dm|": d.dm_max_abs, "||db||": d.bias_l2,
+                       "rank": max(ranks, default=0), "min|h|": d.min_abs_h, "fallbacks": d.fallbacks,
+                       "hard case": d.hard_case, "block error": d.block_error}
         df = pd.DataFrame.from_dict(vals, orient="index")
         df.index.name = "layer"
         return df.dropna(axis=1, how="all")
@@ -317,11 +311,6 @@ def unload_peft(peft_model):
         owner_name, _, attr = name.rpartition(".")
         setattr(base.get_submodule(owner_name) if owner_name else base, attr, mod)
     return base
-
-
-def _pdtype(alg):
-    from .patches import default_patch_dtype
-    return default_patch_dtype(alg.adapter.dtype)
 
 
 def _flatten(p: LayerPatch) -> dict:
