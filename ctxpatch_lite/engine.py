@@ -181,6 +181,7 @@ class PatchedPass(WeightScope):
         self.keep = apply == "peft"       # peft: the writes go into the adapter's own copies and stay
 
     def __enter__(self):
+        self.refs = {l: self.ad.reference_norms(l) for l in self.specs}   # before anything is written
         for l, spec in self.specs.items():
             self._install(l, spec)
         return self
@@ -188,8 +189,8 @@ class PatchedPass(WeightScope):
     def __exit__(self, *exc):
         super().__exit__(*exc)
         if exc[0] is None:
-            for p in self.patches.values():
-                p.finish()
+            for l, p in self.patches.items():
+                p.finish(self.refs.get(l))
             if self.checks:
                 failed = torch.stack([f.reshape(()) for f, _ in self.checks]).tolist()
                 for bad, (_, msg) in zip(failed, self.checks):

@@ -173,6 +173,29 @@ class Adapter:
                 f"computed from them. Load the model fully onto GPU memory (a GPU with more memory, several GPUs, "
                 f"bfloat16) or use a smaller model")
 
+    def reference_norms(self, l: int) -> dict:
+        """Norms of layer ``l``'s patchable parameters as first seen (float64 0-d tensors on their device; cached,
+        so call it before a pass writes into the weights): each input matrix by name, ``down`` / ``matrix`` (the
+        MLP output matrix), ``scale`` (``||m||`` of a post-norm scale) and ``bias``. The ledger reads patch sizes
+        relative to these."""
+        cache = self.__dict__.setdefault("_ref_norms", {})
+        if l not in cache:
+            P, out = self.parts[l], {}
+            with torch.no_grad():
+                fro = lambda w: w.detach().to(torch.float64).norm()  # noqa: E731
+                for name, lin in P.inputs:
+                    out[name] = fro(lin.weight)
+                if P.down is not None:
+                    out["down"] = fro(P.down.weight)
+                if P.kind == "matrix":
+                    out["matrix"] = fro(P.output.weight)
+                elif P.kind == "scale":
+                    out["scale"] = self.scale(P.output).to(torch.float64).norm()
+                elif P.kind == "bias":
+                    out["bias"] = fro(P.output.bias)
+            cache[l] = out
+        return cache[l]
+
     @property
     def n_layers(self) -> int:
         return len(self.parts)

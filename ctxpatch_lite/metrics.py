@@ -8,6 +8,8 @@ All metrics are computed in float64 from the two logit vectors over the full voc
   correlation of their average ranks (ties share the mean rank). Logits and probabilities give the same ranks.
   1 = identical ordering. (The paper's "rank distance" is a Pearson correlation of unstated inputs; this is ours.)
 * ``top1_diff``: p[argmax p] - q[argmax p], the probability the patched model loses on the baseline's top token.
+* ``margin``: the baseline's top-1 minus top-2 logit; a mismatch at a small margin is a near tie, which rounding
+  (bfloat16, a different kernel) can flip.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(_spearman_rows(a.to(torch.float64), b.to(torch.float64)))
 
 
-METRIC_KEYS = ("baseline_token", "patched_token", "linf", "tvd", "rank_corr", "top1_diff")
+METRIC_KEYS = ("baseline_token", "patched_token", "linf", "tvd", "rank_corr", "top1_diff", "margin")
 
 
 def compare_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[dict]:
@@ -64,16 +66,17 @@ def compare_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[dict]:
     p, q = torch.softmax(p64, -1), torch.softmax(q64, -1)
     bt, pt = p64.argmax(-1), q64.argmax(-1)
     top = bt.unsqueeze(-1)
+    two = p64.topk(min(2, p64.shape[-1]), dim=-1).values
     m = torch.stack([bt.to(torch.float64), pt.to(torch.float64), (p64 - q64).abs().amax(-1),
                      0.5 * (p - q).abs().sum(-1), _spearman_rows(p64, q64),
-                     (p.gather(-1, top) - q.gather(-1, top)).squeeze(-1)], -1)
+                     (p.gather(-1, top) - q.gather(-1, top)).squeeze(-1), two[:, 0] - two[:, -1]], -1)
     out = []
     for row in m.tolist():
         d = dict(zip(METRIC_KEYS, row))
         d["baseline_token"], d["patched_token"] = int(d["baseline_token"]), int(d["patched_token"])
         d["match"] = d["baseline_token"] == d["patched_token"]
         out.append({k: d[k] for k in ("baseline_token", "patched_token", "match", "linf", "tvd", "rank_corr",
-                                      "top1_diff")})
+                                      "top1_diff", "margin")})
     return out
 
 

@@ -22,7 +22,9 @@ import torch
 from .hooks import PatchError
 
 DIAG_KEYS = ("z_norm", "dv_norm", "min_abs_h", "fallbacks", "hard_case", "iterations", "h_norm", "S",
-             "routing_match", "matrix_norm", "dm_l2", "dm_max_abs", "bias_l2", "block_error")
+             "routing_match", "matrix_norm", "dm_l2", "dm_max_abs", "bias_l2", "block_error", "dm_top_l2",
+             "matrix_ref", "scale_ref")
+TOP_SHARE = 0.01   # dm_top_l2: the norm of dm restricted to its largest 1 % of coordinates (at least one)
 
 
 @dataclass
@@ -83,11 +85,17 @@ class LayerPatch:
     def n_rows(self) -> int:
         return self.dv.shape[0] if self.dv is not None else 1
 
-    def finish(self) -> "LayerPatch":
-        """Add the norm diagnostics (tensors; no host transfer)."""
+    def finish(self, refs: dict | None = None) -> "LayerPatch":
+        """Add the norm diagnostics (tensors; no host transfer). ``refs`` (``Adapter.reference_norms``) gives the
+        norms of the unpatched parameters the patch is added to: ``matrix_ref`` (Frobenius norm of the patched
+        matrices together) and ``scale_ref`` (``||m||``), so that patch sizes can be read relative to them."""
         mats = [(k, r) for k, r in list(self.inputs.items()) + list(self.output.items()) if isinstance(r, Rank1)]
+        n = self.n_rows()
+        if refs and mats and all(k in refs for k, _ in mats):
+            self.diag["matrix_ref"] = torch.stack([refs[k] for k, _ in mats]).pow(2).sum().sqrt().expand(n)
+        if refs and self.dm is not None and "scale" in refs:
+            self.diag["scale_ref"] = refs["scale"].expand(n)
         if mats:
-            n = self.n_rows()
             total = torch.zeros(n, dtype=torch.float64, device=mats[0][1].u.device)
             for key, r in mats:
                 f2 = r.fro().to(torch.float64).pow(2)
@@ -100,6 +108,8 @@ class LayerPatch:
         if self.dm is not None:
             self.diag["dm_l2"] = self.dm.norm(dim=-1).to(torch.float64)
             self.diag["dm_max_abs"] = self.dm.abs().amax(-1).to(torch.float64)
+            k = max(1, math.ceil(TOP_SHARE * self.dm.shape[-1]))
+            self.diag["dm_top_l2"] = self.dm.to(torch.float64).pow(2).topk(k, dim=-1).values.sum(-1).sqrt()
         if "bias" in self.output or self.vanilla is not None:
             b = self.output.get("bias", self.vanilla)
             self.diag["bias_l2"] = b.norm(dim=-1).to(torch.float64)

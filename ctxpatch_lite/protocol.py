@@ -48,6 +48,10 @@ def encode_prompt(tokenizer, prompt: str, chat_template: bool = False) -> list[i
     return ids
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
 def step_diagnostics(layers: list[int], diag: list[list[float]]) -> dict:
     """Aggregate one query's per-layer diagnostics (``layers`` and their rows of ``DIAG_KEYS`` values, already on
     the host), plus per-layer lists. NaN marks a quantity a layer's patch does not have."""
@@ -66,6 +70,13 @@ def step_diagnostics(layers: list[int], diag: list[list[float]]) -> dict:
         "dm_norm": math.sqrt(sum(x * x for x in zero_nan(col["dm_l2"]))),
         "dm_max_abs": max(zero_nan(col["dm_max_abs"])),
         "max_block_error": max(finite(col["block_error"]), default=float("nan")),
+        # patch anatomy (App. C.2): the share of ||dm||^2 (all patched layers) held by each layer's top 1 % of
+        # coordinates, and the patch norms relative to the norms of the parameters they are added to
+        "dm_top_share": _ratio(sum(x * x for x in zero_nan(col["dm_top_l2"])), sum(x * x for x in zero_nan(col["dm_l2"]))),
+        "matrix_rel": _ratio(math.sqrt(sum(x * x for x in zero_nan(col["matrix_norm"]))),
+                             math.sqrt(sum(x * x for x in zero_nan(col["matrix_ref"])))),
+        "dm_rel": _ratio(math.sqrt(sum(x * x for x in zero_nan(col["dm_l2"]))),
+                         math.sqrt(sum(x * x for x in zero_nan(col["scale_ref"])))),
         "per_layer": {
             "layer": list(layers),
             "dv_norm": col["dv_norm"],
@@ -123,6 +134,7 @@ def greedy_baseline(model, prompt_ids: list[int], n_tokens: int) -> list[int]:
 def summarize(steps: list[dict]) -> dict:
     """``aggregate`` of the metrics plus the patch-condition totals, over any list of step records."""
     summary = aggregate(steps)
+    summary["first_mismatch"] = next((i for i, s in enumerate(steps) if not s["match"]), None)
     reused = [s for s in steps if s.get("reused")]
     if reused:  # the fixed schedule: step 0 is freshly patched, later steps reuse its patches
         summary["reused"] = aggregate(reused)
@@ -138,13 +150,25 @@ def summarize(steps: list[dict]) -> dict:
 
 def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int = 20,
                  config: PatchConfig | None = None, prompt_ids: list[int] | None = None, chat_template: bool = False,
-                 progress: bool = True, desc: str | None = None, batched: bool = False) -> dict:
+                 progress: bool = True, desc: str | None = None, batched: bool = False,
+                 forcing: str = "baseline") -> dict:
     """Run the paper's per-token protocol; return a JSON-ready record with per-step metrics and diagnostics.
 
     ``batched=True`` (teacher-forced): generate the baseline's greedy tokens first (KV-cached), then compute every
     step's targets in one full-context forward and every step's patched logits in one batched query-alone pass.
     The baseline logits then come from that full-sequence forward (compare like with like).
+
+    ``forcing``: whose token extends the history. ``"baseline"`` (the paper's protocol, above). ``"patched"``
+    (free-running): the patched model picks its own next token and both continue on it, so the patched model
+    writes its own text; each step still compares it with the full-context model on that same history, and the
+    record's ``free`` block gives the baseline's own greedy text and the number of leading tokens the two texts
+    share (``identical_prefix``).
     """
+    if forcing not in FORCING:
+        raise ValueError(f"unknown forcing {forcing!r}; choose one of: {', '.join(FORCING)}")
+    if batched and forcing != "baseline":
+        raise ValueError("the batched path is teacher-forced on the baseline's greedy tokens; free-running "
+                         "generation (forcing='patched') runs step by step: drop batched=True")
     if prompt_ids is None:
         if tokenizer is None:
             raise PromptError("pass a tokenizer with a text prompt, or prompt_ids")
@@ -160,9 +184,19 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     t0 = time.perf_counter()
     with exact_float32(alg.adapter.dtype != torch.bfloat16):   # TF32 off for float32/float64 runs, then restored
         flags = precision_flags()
-        steps = (_batched_steps if batched else _loop_steps)(alg, ids, n_tokens, tokenizer, progress, desc)
+        if batched:
+            steps = _batched_steps(alg, ids, n_tokens, tokenizer, progress, desc)
+        else:
+            steps = _loop_steps(alg, ids, n_tokens, tokenizer, progress, desc, free=forcing == "patched")
+        free = None
+        if forcing == "patched":
+            greedy = greedy_baseline(model, prompt_ids, n_tokens)
+            own = [s.next_token for s in steps]
+            k = next((i for i, (a, b) in enumerate(zip(own, greedy)) if a != b), len(own))
+            free = {"baseline_greedy_ids": greedy, "identical_prefix": k, "n_tokens": len(own),
+                    "after_divergence": aggregate([s.to_dict() for s in steps[k:]]) if k < len(own) else None}
     seconds = time.perf_counter() - t0
-    ids += [s.next_token for s in steps]  # both continued on the baseline's token
+    ids += [s.next_token for s in steps]  # both continued on the forced token
     dicts = [s.to_dict() for s in steps]
     return RunRecord(
         prompt=prompt, prompt_ids=prompt_ids,
@@ -179,12 +213,18 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
             "dtype": dtype_name(alg.adapter.dtype),
             "device": str(alg.device),
             "n_layers": alg.adapter.n_layers,
+            "hidden_size": getattr(model.config, "hidden_size", None),
             "casts": CASTS,
             "path": "batched teacher-forced" if batched else "step by step (KV-cached targets)",
+            "forcing": forcing,
             "precision_flags": flags,
             "environment": environment(model),
         },
+        extra={"free": free} if free is not None else {},
     ).to_dict()
+
+
+FORCING = ("baseline", "patched")
 
 
 def _step_record(step, position, query, metrics, layers, diag, tokenizer, **extra) -> StepRecord:
@@ -195,8 +235,9 @@ def _step_record(step, position, query, metrics, layers, diag, tokenizer, **extr
                       **extra)
 
 
-def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc) -> list[StepRecord]:
-    """Step by step: one KV-cached full-context decode step (targets) and one patched pass per token."""
+def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc, free=False) -> list[StepRecord]:
+    """Step by step: one KV-cached full-context decode step (targets) and one patched pass per token; the
+    history grows by the baseline's token, or by the patched model's own token when ``free``."""
     ids, steps = list(prompt_ids), []
     logits, targets, cache = alg.full_context(ids)
     for step in tqdm(range(n_tokens), desc=desc or f"{alg.config.label}/{alg.config.variant}", disable=not progress,
@@ -204,13 +245,13 @@ def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc
         q_logits, record = alg.patched(ids[-1], len(ids) - 1, targets)
         layers = sorted(record.patches)
         metrics = compare_rows(logits, q_logits)[0]
+        nxt = metrics["patched_token" if free else "baseline_token"]
         rec = _step_record(step, len(ids) - 1, ids[-1], metrics, layers, diag_rows(record.patches, 1)[0], tokenizer,
-                           next_token=metrics["baseline_token"], reused=True if getattr(record, "reused", False)
-                           else None)
+                           next_token=nxt, reused=True if getattr(record, "reused", False) else None)
         steps.append(rec)
-        ids.append(rec.baseline_token)  # both continue on the baseline's token
+        ids.append(nxt)  # both continue on the same token
         if step < n_tokens - 1:
-            logits, targets, cache = alg.full_context([rec.baseline_token], cache)
+            logits, targets, cache = alg.full_context([nxt], cache)
     return steps
 
 

@@ -246,3 +246,64 @@ def test_run_record_is_typed_and_round_trips(tiny32):
     assert typed.to_dict() == json.loads(json.dumps(r))
     old = {"config": {"mode": "ideal"}, "steps": [], "summary": {"token_match": 1.0}}
     assert RunRecord.from_dict(old).config["schedule"] == "oracle" and RunRecord.from_dict(old).schema_version == 1
+
+
+@pytest.mark.real
+def test_bfloat16_stable_recorded_on_the_embedded_model_materialized_and_factored(prompts):
+    """bfloat16 on the real model, the reading the paper's bfloat16 story turns on (stable, recorded h): both
+    apply modes keep the patched logits within a few bfloat16 ulps of the baseline (unpatched: L∞ ≈ 24), and the
+    materialized passes leave every bfloat16 weight bit for bit as it was."""
+    from conftest import assert_bit_identical, snapshot
+    from ctxpatch_lite import load_model
+    model, tok = load_model(dtype="bfloat16", device="cpu")
+    snap = snapshot(model)
+    for apply in ("materialized", "factored"):
+        r = run_protocol(model, tok, prompts[0]["text"], 3, PatchConfig(variant="stable", h_source="recorded",
+                                                                        apply=apply), progress=False)
+        assert r["config"]["dtype"] == "bfloat16" and r["config"]["patch_dtype"] == "float32"
+        assert r["summary"]["linf_max"] <= 1.0, (apply, r["summary"])
+        assert_bit_identical(model, snap)
+    none = run_protocol(model, tok, prompts[0]["text"], 1, PatchConfig(parts="none"), progress=False)
+    assert none["summary"]["linf_max"] > 5.0          # the control: without patches the logits are far off
+
+
+def test_free_running_follows_the_patched_models_own_tokens(tiny32):
+    """forcing='patched': the history grows by the patched model's token; the record says how long its text stays
+    the baseline's greedy text. With the output patch dropped the two texts part at the first mismatch."""
+    r = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=4, progress=False, forcing="patched")
+    assert r["config"]["forcing"] == "patched" and r["free"]["identical_prefix"] == 4
+    assert [s["next_token"] for s in r["steps"]] == [s["patched_token"] for s in r["steps"]]
+    assert r["free"]["baseline_greedy_ids"] == r["generated_ids"]
+    bad = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=4, progress=False, forcing="patched",
+                       config=PatchConfig(parts="input-only"))
+    first = bad["summary"]["first_mismatch"]
+    assert first is not None and bad["free"]["identical_prefix"] == first
+    assert [s["next_token"] for s in bad["steps"]] == [s["patched_token"] for s in bad["steps"]]
+    with pytest.raises(ValueError, match="forcing"):
+        run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=2, progress=False, forcing="teacher")
+    with pytest.raises(ValueError, match="step by step"):
+        run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=2, progress=False, forcing="patched", batched=True)
+
+
+def test_patch_anatomy_diagnostics(tiny32):
+    """dm_top_share, matrix_rel and dm_rel (the ledger's sparsity and magnitude figures) from their definitions."""
+    import math
+    from ctxpatch_lite.algorithm import Algorithm1
+    alg = Algorithm1(tiny32, PatchConfig())
+    logits, T, _ = alg.full_context(CONTEXT_IDS)
+    _, rec = alg.patched(CONTEXT_IDS[-1], len(CONTEXT_IDS) - 1, T)
+    top = tot = mat = mref = dm = sref = 0.0
+    for l, p in rec.patches.items():
+        d = p.dm.double().reshape(-1)
+        k = max(1, math.ceil(0.01 * d.numel()))
+        top += float(d.pow(2).topk(k).values.sum()); tot += float(d.pow(2).sum())
+        layer = tiny32.model.layers[l]
+        mat += sum(float(r.fro()[0]) ** 2 for r in p.inputs.values())
+        mref += float(layer.mlp.gate_proj.weight.double().norm()) ** 2 + float(layer.mlp.up_proj.weight.double().norm()) ** 2
+        dm += float(d.norm()) ** 2
+        sref += float((1.0 + layer.post_feedforward_layernorm.weight.double()).norm()) ** 2
+    r = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=1, progress=False)
+    diag = r["steps"][0]["diagnostics"]
+    assert diag["dm_top_share"] == pytest.approx(top / tot, rel=1e-6)
+    assert diag["matrix_rel"] == pytest.approx(math.sqrt(mat / mref), rel=1e-5)
+    assert diag["dm_rel"] == pytest.approx(math.sqrt(dm / sref), rel=1e-5)
