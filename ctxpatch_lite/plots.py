@@ -3,17 +3,20 @@ from __future__ import annotations
 
 import math
 
-import matplotlib
-
-import matplotlib.pyplot as plt
 import numpy as np
+
+from ._optional import require
+
+require("matplotlib", "notebooks", "ctxpatch_lite.plots")
+import matplotlib  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
 
 PALETTE = {"bfloat16-naive": "#1f77b4", "bfloat16-stable": "#ff7f0e", "float32-naive": "#2ca02c",
            "float32-stable": "#d62728", "float64-naive": "#9467bd", "float64-stable": "#8c564b"}
 
 
 def style():
-    import seaborn as sns
+    sns = require("seaborn", "notebooks", "the notebooks' plot style")
     sns.set_theme(style="whitegrid", context="notebook", font_scale=0.95)
     plt.rcParams.update({"figure.dpi": 100, "savefig.dpi": 110, "axes.titleweight": "bold"})
 
@@ -285,5 +288,48 @@ def appendix_e_steps(result: dict):
     ax.set_ylabel("||step||_F")
     ax.set_title(f"Appendix E: one unit trace step per context token ({result['family']}, layer {result['layer']})")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "materialized": "mat", "factored": "fac", "recorded": "rec",
+          "actual": "act", "batched": "batched", "step": "step"}
+
+
+def _short_setting(label: str) -> str:
+    parts = [p.split("=", 1)[-1] for p in label.split(", ")]
+    return " ".join(_SHORT.get(p, p) for p in parts)
+
+
+def claims_figure(rows: list[dict], ncols: int = 5):
+    """Each judged claim's readings (dots: green passes the rule, red does not) against its threshold (dashed),
+    one panel per rule (a claim with two rules gets two panels). Claims not runnable here are left out."""
+    panels = [(r, i) for r in rows if r["readings"] for i in range(len(r["rules"]))]
+    nrows = max(1, math.ceil(len(panels) / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.4 * ncols, 2.5 * nrows), squeeze=False)
+    for ax, (r, i) in zip(axes.flat, panels):
+        rule = r["rules"][i]
+        xs = [x["values"][rule["key"]] for x in r["readings"]]
+        ys = range(len(xs))
+        thr = rule["threshold"] if isinstance(rule["threshold"], (list, tuple)) else [rule["threshold"]]
+        log = rule["log"] and all(v is not None and v > 0 for v in list(xs) + list(thr))
+        colours = ["#1b7837" if x["rule_passes"][i] else "#b2182b" for x in r["readings"]]
+        ax.scatter(xs, list(ys), c=colours, s=22, zorder=3)
+        for t in thr:
+            ax.axvline(t, color="#444444", ls="--", lw=1)
+        if log:
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels([_short_setting(x["setting"]) for x in r["readings"]], fontsize=6)
+        ax.tick_params(axis="x", labelsize=7)
+        part = f" (rule {i + 1} of {len(r['rules'])})" if len(r["rules"]) > 1 else ""
+        ax.set_title(f"{r['id']}{part}: {r['verdict']}", fontsize=8)
+        op = {"between": "in", ">=": "≥", ">": ">", "<=": "≤", "<": "<"}[rule["op"]]
+        ax.set_xlabel(f"{rule['key']} (rule: {op} {', '.join(f'{t:g}' for t in thr)})", fontsize=7)
+        ax.set_ylim(-0.7, len(xs) - 0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("Claims ledger: every reading's figure against the claim's threshold", fontsize=10)
     fig.tight_layout()
     return fig
