@@ -2,6 +2,29 @@
 from .models import DTYPES, ModelLoadError, describe_model, load_model, resolve_device, resolve_dtype
 
 __version__ = "0.2.0"
+
+
+def _report_peak_rss_at_exit():
+    """Under the notebook runner (``CTXPATCH_RSS_OUT`` set), write this process's peak resident memory (the
+    kernel's ``ru_maxrss``) to that file when it exits: the runner reports it per notebook."""
+    import atexit
+    import os
+
+    path = os.environ.get("CTXPATCH_RSS_OUT")
+    if not path:
+        return
+
+    def write():
+        import resource
+        import sys
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
+        gb = kib / 1e9 if sys.platform == "darwin" else kib * 1024 / 1e9
+        with open(path, "w") as f:
+            f.write(f"{gb:.4f}\n")
+    atexit.register(write)
+
+
+_report_peak_rss_at_exit()
 __all__ = ["DTYPES", "ModelLoadError", "describe_model", "load_model", "resolve_device", "resolve_dtype", "absorb",
            "PatchSet", "PatchConfig", "PatchSetMismatch", "run_protocol"]
 

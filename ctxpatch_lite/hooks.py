@@ -93,6 +93,15 @@ class WeightScope(HookScope):
                 param.copy_(orig)
         self._saved.clear()
 
+    def restore_params(self, params) -> None:
+        """Restore (bit for bit) and forget the saved copies of these parameters only, e.g. one layer's once its
+        forward is done: a pass then holds one layer's copies at a time, not every layer's."""
+        with torch.no_grad():
+            for p in params:
+                saved = self._saved.pop(id(p), None)
+                if saved is not None:
+                    saved[0].copy_(saved[1])
+
     def __exit__(self, *exc):
         super().__exit__(*exc)
         self.restore()

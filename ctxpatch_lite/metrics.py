@@ -56,20 +56,35 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 METRIC_KEYS = ("baseline_token", "patched_token", "linf", "tvd", "rank_corr", "top1_diff", "margin")
 
 
-def compare_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[dict]:
-    """Metrics between baseline logits and patched logits, row by row ((N, V) each): computed in float64 on the
-    logits' device, fetched to the host in one transfer."""
-    p64, q64 = p_logits.detach().to(torch.float64), q_logits.detach().to(torch.float64)
-    if p64.shape != q64.shape:
-        raise ValueError(f"logit tensors differ in shape: {tuple(p64.shape)} vs {tuple(q64.shape)}")
-    p64, q64 = p64.reshape(-1, p64.shape[-1]), q64.reshape(-1, q64.shape[-1])
+CHUNK_ELEMENTS = 1 << 18   # rows per metric chunk x vocabulary: bounds the float64/int64 temporaries (~25 MB)
+
+
+def _metric_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """(n, len(METRIC_KEYS)) float64 metrics of n rows, on the logits' device."""
+    p64, q64 = p_logits.to(torch.float64), q_logits.to(torch.float64)
     p, q = torch.softmax(p64, -1), torch.softmax(q64, -1)
     bt, pt = p64.argmax(-1), q64.argmax(-1)
     top = bt.unsqueeze(-1)
     two = p64.topk(min(2, p64.shape[-1]), dim=-1).values
-    m = torch.stack([bt.to(torch.float64), pt.to(torch.float64), (p64 - q64).abs().amax(-1),
-                     0.5 * (p - q).abs().sum(-1), _spearman_rows(p64, q64),
-                     (p.gather(-1, top) - q.gather(-1, top)).squeeze(-1), two[:, 0] - two[:, -1]], -1)
+    return torch.stack([bt.to(torch.float64), pt.to(torch.float64), (p64 - q64).abs().amax(-1),
+                        0.5 * (p - q).abs().sum(-1), _spearman_rows(p64, q64),
+                        (p.gather(-1, top) - q.gather(-1, top)).squeeze(-1), two[:, 0] - two[:, -1]], -1)
+
+
+def compare_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[dict]:
+    """Metrics between baseline logits and patched logits, row by row ((N, V) each): computed in float64 on the
+    logits' device in chunks of rows (the rank correlation's sort temporaries over a 262k vocabulary would
+    otherwise take ~50 MB per row at once), fetched to the host in one transfer."""
+    if p_logits.shape != q_logits.shape:
+        raise ValueError(f"logit tensors differ in shape: {tuple(p_logits.shape)} vs {tuple(q_logits.shape)}")
+    p2, q2 = p_logits.detach().reshape(-1, p_logits.shape[-1]), q_logits.detach().reshape(-1, q_logits.shape[-1])
+    rows = max(1, CHUNK_ELEMENTS // p2.shape[-1])
+    m = torch.cat([_metric_rows(p2[i:i + rows], q2[i:i + rows]) for i in range(0, p2.shape[0], rows)])
+    return _to_records(m)
+
+
+def _to_records(m: torch.Tensor) -> list[dict]:
+    """Metric rows -> dicts, in one host transfer."""
     out = []
     for row in m.tolist():
         d = dict(zip(METRIC_KEYS, row))

@@ -6,6 +6,10 @@
 Writes ``runs/<stamp>/<notebook>.ipynb`` (executed), ``<notebook>.metrics.json``, PNG figures under
 ``<notebook>_figures/`` and ``summary.json``; prints a table; exits 1 naming the failing notebook and cell.
 ``--compare`` checks every numeric metric against a previous run's summary within ``--rtol``/``--atol``.
+
+Each notebook's peak memory is the kernel process's own peak resident set size (``ru_maxrss``, written by the
+kernel when it exits; GB = 10^9 bytes), in ``summary.json`` (``peak_rss_gb``) and the table; ``--max-rss-gb X``
+fails the run naming every notebook that went over (Binder gives a visitor about 2 GB, the server included).
 """
 from __future__ import annotations
 
@@ -54,6 +58,13 @@ def compare_metrics(new: dict, old: dict, rtol: float, atol: float) -> list[str]
     return problems
 
 
+def _read_rss(path: Path):
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _failing_cell(nb_path: Path) -> str:
     import nbformat
     try:
@@ -81,16 +92,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rtol", type=float, default=1e-3)
     ap.add_argument("--atol", type=float, default=1e-6)
     ap.add_argument("--timeout", type=int, default=1800, help="per-cell timeout in seconds")
+    ap.add_argument("--max-rss-gb", type=float, default=None, help="fail if a notebook's kernel peaks above this "
+                                                                    "resident memory (GB = 1e9 bytes), e.g. 1.9")
     args = ap.parse_args(argv)
 
-    import papermill as pm
+    from ._optional import require
+    pm = require("papermill", "notebooks", "running the notebook series")
 
     nb_dir = Path(args.notebooks)
     notebooks = sorted(p for p in nb_dir.glob("[0-9][0-9]_*.ipynb"))
     if args.only:
         notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in args.only)]
     if not notebooks:
-        print(f"error: no notebooks found in {nb_dir}", file=sys.stderr)
+        print(f"error: no notebooks (NN_name.ipynb) found in {nb_dir.resolve()}; run from a clone of the repository "
+              f"or pass --notebooks DIR (the notebooks are not part of the installed package)", file=sys.stderr)
         return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out) / stamp
@@ -111,29 +126,43 @@ def main(argv=None) -> int:
         nb_params = dict(params, metrics_out=str((out_dir / f"{stem}.metrics.json").resolve()),
                          figures_dir=str((out_dir / f"{stem}_figures").resolve()))
         t0 = time.time()
+        rss_file = out_dir / f"{stem}.peak_rss"
+        os.environ["CTXPATCH_RSS_OUT"] = str(rss_file.resolve())
         print(f"[run_notebooks] {nb.name} ...", flush=True)
         try:
             pm.execute_notebook(str(nb), str(target), parameters=nb_params, kernel_name="python3",
                                 progress_bar=False, cwd=str(nb_dir), execution_timeout=args.timeout)
         except Exception as exc:  # noqa: BLE001 - papermill raises PapermillExecutionError and friends
             failed = (nb.name, _failing_cell(target), type(exc).__name__)
-            summary[stem] = {"status": "failed", "seconds": round(time.time() - t0, 1)}
+            summary[stem] = {"status": "failed", "seconds": round(time.time() - t0, 1),
+                             "peak_rss_gb": _read_rss(rss_file)}
             break
         mpath = out_dir / f"{stem}.metrics.json"
         metrics = json.loads(mpath.read_text()) if mpath.is_file() else {}
-        summary[stem] = {"status": "ok", "seconds": round(time.time() - t0, 1), "metrics": metrics}
+        summary[stem] = {"status": "ok", "seconds": round(time.time() - t0, 1), "peak_rss_gb": _read_rss(rss_file),
+                         "metrics": metrics}
+    os.environ.pop("CTXPATCH_RSS_OUT", None)
     total = round(time.time() - t_all, 1)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"\n{'notebook':<28}{'status':<9}{'seconds':>8}  metrics")
+    print(f"\n{'notebook':<28}{'status':<9}{'seconds':>8}{'peak RSS GB':>13}  metrics")
     for stem, s in summary.items():
         flat = _flatten(s.get("metrics"))
-        shown = ", ".join(f"{k}={v:.4g}" for k, v in list(flat.items())[:4])
-        print(f"{stem:<28}{s['status']:<9}{s['seconds']:>8}  {shown}")
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in list(flat.items())[:3])
+        rss = "?" if s.get("peak_rss_gb") is None else f"{s['peak_rss_gb']:.2f}"
+        print(f"{stem:<28}{s['status']:<9}{s['seconds']:>8}{rss:>13}  {shown}")
     print(f"total {total} s; executed notebooks, metrics and figures in {out_dir}")
     if failed:
         print(f"error: notebook {failed[0]} failed at {failed[1]} ({failed[2]}); see {out_dir / failed[0]}",
               file=sys.stderr)
         return 1
+    if args.max_rss_gb is not None:
+        over = [f"{stem} peaked at {s['peak_rss_gb']:.2f} GB" if s.get("peak_rss_gb") is not None
+                else f"{stem}: peak memory not reported" for stem, s in summary.items()
+                if s.get("peak_rss_gb") is None or s["peak_rss_gb"] > args.max_rss_gb]
+        if over:
+            print(f"error: over the {args.max_rss_gb} GB memory limit: " + "; ".join(over), file=sys.stderr)
+            return 1
+        print(f"every notebook's peak RSS is under {args.max_rss_gb} GB")
     if args.compare:
         old = json.loads(Path(args.compare).read_text())
         problems = compare_metrics(summary, old, args.rtol, args.atol)
@@ -145,5 +174,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> None:
+    """Console-script entry point (``pyproject.toml`` [project.scripts]); a missing extra is one line."""
+    from ._optional import MissingExtra
+    try:
+        code = main()
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -59,11 +59,11 @@ class Algorithm1View:
         self.progress = progress
 
     def model(self, name, dtype):
-        import gc
+        from .notebook import free_memory
 
         if self._key != (name, dtype):
             self._key, self._model = None, None
-            gc.collect()
+            free_memory()
             model, tok = load_model(name, dtype=dtype, progress=False, tokenizer=name not in self._tokenizers)
             if tok is not None:
                 self._tokenizers[name] = tok
