@@ -32,15 +32,4 @@ def prompts():
     return load_prompts()
 
 
-CONTEXT_IDS = [2, 10, 20, 30, 40, 50, 11, 12, 13, 33]
-
-
-def snapshot(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def assert_bit_identical(model, snap):
-    now = model.state_dict()
-    assert set(now) == set(snap)
-    for k, v in snap.items():
-        assert now[k].dtype == v.dtype and torch.equal(now[k], v), f"parameter {k} changed"
+from helpers import CONTEXT_IDS, assert_bit_identical, snapshot  # noqa: E402,F401  (shared helpers)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import CONTEXT_IDS, assert_bit_identical, snapshot
+from helpers import CONTEXT_IDS, assert_bit_identical, snapshot
 from ctxpatch_lite.algorithm import PARTS, SCHEDULES, Algorithm1, PatchConfig
 from ctxpatch_lite.hooks import UnsupportedArchitectureError
 from ctxpatch_lite.metrics import compare_logits
@@ -253,7 +253,7 @@ def test_bfloat16_stable_recorded_on_the_embedded_model_materialized_and_factore
     """bfloat16 on the real model, the reading the paper's bfloat16 story turns on (stable, recorded h): both
     apply modes keep the patched logits within a few bfloat16 ulps of the baseline (unpatched: L∞ ≈ 24), and the
     materialized passes leave every bfloat16 weight bit for bit as it was."""
-    from conftest import assert_bit_identical, snapshot
+    from helpers import assert_bit_identical, snapshot
     from ctxpatch_lite import load_model
     model, tok = load_model(dtype="bfloat16", device="cpu")
     snap = snapshot(model)

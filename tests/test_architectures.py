@@ -12,7 +12,7 @@ from ctxpatch_lite.hooks import UnsupportedArchitectureError
 from ctxpatch_lite.patches import PatchError
 from ctxpatch_lite.protocol import run_protocol
 
-from conftest import assert_bit_identical, snapshot
+from helpers import assert_bit_identical, snapshot
 
 PROMPT = [5, 17, 33, 8, 90, 41, 12]
 

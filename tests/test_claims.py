@@ -66,7 +66,7 @@ def test_one_row_per_claim_and_every_reading_shown():
     by = {r["id"]: r for r in rows}
     # bfloat16 naive: step-by-step (materialized, factored) x (actual, recorded) and batched (factored) x 2
     assert len(by["P3"]["readings"]) == 6 and len(by["P4"]["readings"]) == 6
-    assert len(by["P1"]["readings"]) == 8                              # variant x apply x h_source
+    assert len(by["P1"]["readings"]) == 12     # step: variant x apply x h_source; batched: variant x h_source
     assert len(by["P7"]["readings"]) == 8                              # dtype x variant x h_source
     for r in rows:
         assert r["verdict"] in counts(rows)
@@ -106,7 +106,7 @@ def test_verdict_follows_the_data(tmp_path):
     assert p3_with([100, 100, 100, 100])["verdict"] == CONTRADICTED
     row = p3_with([100, 90, 100, 100])
     assert row["verdict"] == DEPENDS and "apply=materialized, h_source=recorded" in row["why"]
-    assert row["why"].startswith("reproduced only with apply=materialized, h_source=recorded, in 1 of its 1 readings")
+    assert row["why"] == "reproduced in 1 of 4 readings, those with apply=materialized, h_source=recorded"
     row = p3_with([100, 90, 100, 90])
     assert row["verdict"] == DEPENDS and row["why"] == "depends on h_source: reproduced with recorded, not with actual"
     assert p3_with([85, 85, 85, 85])["verdict"] == REPRODUCED

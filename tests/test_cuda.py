@@ -5,7 +5,7 @@ import torch
 
 from ctxpatch_lite.algorithm import Algorithm1
 
-from conftest import CONTEXT_IDS, assert_bit_identical, snapshot
+from helpers import CONTEXT_IDS, assert_bit_identical, snapshot
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible to torch")]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import CONTEXT_IDS
+from helpers import CONTEXT_IDS
 from ctxpatch_lite.algorithm import PatchConfig
 from ctxpatch_lite.fixtures import tiny_gemma3
 from ctxpatch_lite.hostsync import count_host_syncs

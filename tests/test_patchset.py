@@ -4,7 +4,7 @@ import torch
 
 import ctxpatch_lite as cp
 import ctxpatch_lite.patchset
-from conftest import CONTEXT_IDS, assert_bit_identical, snapshot
+from helpers import CONTEXT_IDS, assert_bit_identical, snapshot
 from ctxpatch_lite.algorithm import Algorithm1, PatchConfig
 from ctxpatch_lite.families import FAMILIES
 from ctxpatch_lite.fixtures import tiny_gemma3, tiny_model

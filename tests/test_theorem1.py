@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import CONTEXT_IDS
+from helpers import CONTEXT_IDS
 from ctxpatch_lite.algorithm import Algorithm1, PatchConfig, layer_errors
 from ctxpatch_lite.fixtures import tiny_gemma3
 from ctxpatch_lite.patches import PatchError, check_input_patch
