@@ -6,7 +6,7 @@ __version__ = "0.2.0"
 
 def _report_peak_rss_at_exit():
     """Under the notebook runner (``CTXPATCH_RSS_OUT`` set), write this process's peak resident memory (the
-    kernel's ``ru_maxrss``) to that file when it exits: the runner reports it per notebook."""
+    kernel's ``VmHWM``, see ``notebook.peak_rss_gb``) to that file when it exits: the runner reports it per notebook."""
     import atexit
     import os
 
@@ -15,12 +15,9 @@ def _report_peak_rss_at_exit():
         return
 
     def write():
-        import resource
-        import sys
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
-        gb = kib / 1e9 if sys.platform == "darwin" else kib * 1024 / 1e9
+        from .notebook import peak_rss_gb
         with open(path, "w") as f:
-            f.write(f"{gb:.4f}\n")
+            f.write(f"{peak_rss_gb():.4f}\n")
     atexit.register(write)
 
 

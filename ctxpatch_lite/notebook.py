@@ -32,6 +32,23 @@ def low_memory() -> bool:
                                                                                       TRIM_THRESHOLD))
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident memory in GB (10^9 bytes): ``VmHWM`` on Linux (the high-water mark of this
+    address space, reset at ``exec``, so a kernel forked from a large process reports its own peak), else
+    ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    import resource
+    import sys
+    k = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux, bytes on macOS
+    return k / 1e9 if sys.platform == "darwin" else k * 1024 / 1e9
+
+
 def free_memory() -> None:
     """Collect garbage and give freed heap memory back to the operating system (glibc ``malloc_trim``), e.g.
     after dropping one model before loading another."""

@@ -7,7 +7,7 @@ Writes ``runs/<stamp>/<notebook>.ipynb`` (executed), ``<notebook>.metrics.json``
 ``<notebook>_figures/`` and ``summary.json``; prints a table; exits 1 naming the failing notebook and cell.
 ``--compare`` checks every numeric metric against a previous run's summary within ``--rtol``/``--atol``.
 
-Each notebook's peak memory is the kernel process's own peak resident set size (``ru_maxrss``, written by the
+Each notebook's peak memory is the kernel process's own peak resident set size (``VmHWM``, written by the
 kernel when it exits; GB = 10^9 bytes), in ``summary.json`` (``peak_rss_gb``) and the table; ``--max-rss-gb X``
 fails the run naming every notebook that went over (Binder gives a visitor about 2 GB, the server included).
 """

@@ -1,8 +1,9 @@
 """The Binder memory ceiling, checked on the nbval run itself (no second execution): after a notebook's last cell
-its kernel reports its own peak resident memory (``ru_maxrss``); above ``CTXPATCH_MAX_RSS_GB`` (default 1.9 GB,
-GB = 10^9 bytes: Binder gives about 2 GB, the notebook server included) the notebook's teardown fails, naming it.
-nbval runs each notebook with its stored default parameters, which is what a Binder visitor runs. The peaks are
-written to ``test-artifacts/notebook_memory.json``."""
+its kernel reports its own peak resident memory (``VmHWM``: the high-water mark of its address space, which starts
+afresh at ``exec``; ``ru_maxrss`` would carry over the RSS of the pytest process the kernel was forked from).
+Above ``CTXPATCH_MAX_RSS_GB`` (default 1.9 GB, GB = 10^9 bytes: Binder gives about 2 GB, the notebook server
+included) the test session fails, naming the notebook. nbval runs each notebook with its stored default
+parameters, which is what a Binder visitor runs. The peaks are written to ``test-artifacts/notebook_memory.json``."""
 import json
 import os
 import tempfile
@@ -12,9 +13,9 @@ import pytest
 
 LIMIT_GB = float(os.environ.get("CTXPATCH_MAX_RSS_GB", "1.9"))
 ARTIFACT = Path(__file__).parent.parent / "test-artifacts" / "notebook_memory.json"
-PROBE = ("import resource as _r, sys as _s\n"
-         "_k = _r.getrusage(_r.RUSAGE_SELF).ru_maxrss\n"
-         "open({path!r}, 'w').write(str(_k / 1e9 if _s.platform == 'darwin' else _k * 1024 / 1e9))\n")
+PROBE = ("from ctxpatch_lite.notebook import peak_rss_gb as _p\n"
+         "open({path!r}, 'w').write(str(_p()))\n")
+OVER: list = []
 
 
 def _kernel_peak_gb(kernel) -> float | None:
@@ -25,7 +26,7 @@ def _kernel_peak_gb(kernel) -> float | None:
         kernel.await_reply(msg_id, timeout=60)
         text = Path(path).read_text().strip()
         return float(text) if text else None
-    except Exception:  # noqa: BLE001 - a dead kernel has no peak to report; the cell failure says why
+    except Exception:  # noqa: BLE001 - a dead kernel has no peak to report; the cell failures say why
         return None
     finally:
         os.unlink(path)
@@ -44,5 +45,24 @@ def pytest_runtest_teardown(item, nextitem):
     data[name] = {"peak_rss_gb": peak, "limit_gb": LIMIT_GB}
     ARTIFACT.write_text(json.dumps(data, indent=1, sort_keys=True))
     if peak is not None and peak > LIMIT_GB:
-        raise AssertionError(f"{name}: the kernel peaked at {peak:.2f} GB resident memory, over the Binder limit of "
-                             f"{LIMIT_GB} GB (CTXPATCH_MAX_RSS_GB)")
+        OVER.append(f"{name}: the kernel peaked at {peak:.2f} GB resident memory, over the Binder limit of "
+                    f"{LIMIT_GB} GB (CTXPATCH_MAX_RSS_GB)")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if ARTIFACT.is_file():
+        data = json.loads(ARTIFACT.read_text())
+        terminalreporter.write_line("notebook kernels' peak resident memory (GB): " + ", ".join(
+            f"{k.split('_')[0]} {v['peak_rss_gb']:.2f}" for k, v in sorted(data.items()) if v["peak_rss_gb"]))
+    for line in OVER:
+        terminalreporter.write_line(f"MEMORY CEILING: {line}", red=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if OVER and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_sessionstart(session):
+    if ARTIFACT.is_file():   # this session's peaks only
+        ARTIFACT.unlink()
