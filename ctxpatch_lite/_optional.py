@@ -21,3 +21,14 @@ def require(module: str, extra: str, purpose: str):
     except ImportError as exc:
         raise MissingExtra(f"{purpose} needs the Python package {module.split('.')[0]!r}, which is not installed: "
                            f"pip install 'ctxpatch-lite[{extra}]' (the [{extra}] extra: {EXTRAS[extra]})") from exc
+
+
+def run_cli(main) -> None:
+    """Console-script entry point around ``main() -> int``: a missing extra is one ``error:`` line, status 2."""
+    import sys
+    try:
+        code = main()
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)

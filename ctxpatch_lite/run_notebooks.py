@@ -175,14 +175,9 @@ def main(argv=None) -> int:
 
 
 def cli() -> None:
-    """Console-script entry point (``pyproject.toml`` [project.scripts]); a missing extra is one line."""
-    from ._optional import MissingExtra
-    try:
-        code = main()
-    except MissingExtra as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
+    """Console-script entry point (``pyproject.toml`` [project.scripts])."""
+    from ._optional import run_cli
+    run_cli(main)
 
 
 if __name__ == "__main__":
