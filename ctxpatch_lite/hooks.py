@@ -146,30 +146,80 @@ def float64_norms(model, offset: float = 0.0):
             m._ctxpatch_f64 = False
 
 
+# torch >= 2.9 holds float32 precision per backend (``torch.backends.cuda.matmul.fp32_precision`` ...) beside the
+# legacy global (``torch.set_float32_matmul_precision``, ``allow_tf32``). Reading a legacy flag raises when the two
+# disagree, and on CUDA so does every float32 cuBLAS call. So: read the per-backend values (they never raise), set
+# through the legacy setters (which keep both in step), restore the saved values exactly.
+_FP32_NODES = ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _node(path: str):
+    obj = torch.backends
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if hasattr(obj, "fp32_precision") else None
+
+
+def _readable(fn):
+    """A legacy flag's value, or the string 'mixed' when torch refuses to read it (legacy and per-backend settings
+    disagree, see above)."""
+    try:
+        return fn()
+    except RuntimeError:
+        return "mixed"
+
+
+def fp32_precision_state() -> dict:
+    """Every per-backend float32 precision setting present in this torch ({} before torch 2.9)."""
+    return {path: _node(path).fp32_precision for path in _FP32_NODES if _node(path) is not None}
+
+
 def precision_flags() -> dict:
-    """The torch settings that decide float32/bfloat16 matmul arithmetic on a GPU, as they are now."""
+    """The torch settings that decide float32/bfloat16 matmul arithmetic on a GPU, as they are now. Never raises: a
+    legacy flag torch refuses to read reads 'mixed'; the per-backend values (torch >= 2.9) are under fp32_precision.
+    """
     cuda = torch.backends.cuda.matmul
-    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "cuda_matmul_allow_tf32": bool(cuda.allow_tf32), "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+    state = fp32_precision_state()
+    tf32 = (lambda: cuda.allow_tf32) if "cuda.matmul" not in state else (lambda: state["cuda.matmul"] == "tf32")
+    return {"float32_matmul_precision": _readable(torch.get_float32_matmul_precision),
+            "cuda_matmul_allow_tf32": _readable(lambda: bool(tf32())),
+            "cudnn_allow_tf32": _readable(lambda: bool(torch.backends.cudnn.allow_tf32)),
             "allow_bf16_reduced_precision_reduction": bool(cuda.allow_bf16_reduced_precision_reduction),
-            "allow_fp16_reduced_precision_reduction": bool(cuda.allow_fp16_reduced_precision_reduction)}
+            "allow_fp16_reduced_precision_reduction": bool(cuda.allow_fp16_reduced_precision_reduction),
+            "fp32_precision": state}
 
 
 @contextlib.contextmanager
 def exact_float32(enabled: bool = True):
     """TF32 off (and float32 matmuls at 'highest' precision) for the block, the user's settings restored after:
     on Ampere and later GPUs TF32 rounds float32 matmul inputs to 10 mantissa bits, which the scale patches of
-    1e6 turn into visible errors. A no-op when ``enabled`` is False (bfloat16 runs keep the user's settings)."""
+    1e6 turn into visible errors. A no-op when ``enabled`` is False (bfloat16 runs keep the user's settings).
+
+    Works across torch's two precision APIs (legacy global flags and, from torch 2.9, per-backend
+    ``fp32_precision``): inside the block both say IEEE float32, so neither torch's flag reads nor its cuBLAS
+    consistency check can raise; on exit every setting is back to its saved value, also a user's mixed state."""
     if not enabled:
         yield
         return
-    saved = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
-             torch.backends.cudnn.allow_tf32)
+    legacy = (_readable(torch.get_float32_matmul_precision), _readable(lambda: torch.backends.cuda.matmul.allow_tf32),
+              _readable(lambda: torch.backends.cudnn.allow_tf32))
+    nodes = fp32_precision_state()
     torch.set_float32_matmul_precision("highest")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    for path in nodes:                        # every backend to IEEE, whatever the legacy setters left
+        _node(path).fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved[0])
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1], saved[2]
+        # the legacy setters first, each flag that could be read (they rewrite the per-backend values) ...
+        if legacy[0] != "mixed":
+            torch.set_float32_matmul_precision(legacy[0])
+        if legacy[1] != "mixed":
+            torch.backends.cuda.matmul.allow_tf32 = legacy[1]
+        if legacy[2] != "mixed":
+            torch.backends.cudnn.allow_tf32 = legacy[2]
+        for path, value in nodes.items():     # ... then each per-backend value exactly as it was
+            _node(path).fp32_precision = value

@@ -102,6 +102,9 @@ def environment(model=None) -> dict:
            "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
            "torch_threads": torch.get_num_threads(), "precision_flags": precision_flags(),
            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    from ._optional import warn_old_versions
+    if warnings := warn_old_versions():
+        env["version_warnings"] = warnings
     try:
         from . import __version__
         env["ctxpatch_lite"] = __version__

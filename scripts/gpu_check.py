@@ -85,17 +85,29 @@ def bench(model, n: int, repeats: int) -> dict:
     methods = {"decode": lambda: (greedy_baseline(model, ids, n), sync()),
                "loop_factored": loop,
                "batched": lambda: (Algorithm1(model, PatchConfig()).batched(seq, positions), sync())}
-    out = {}
+    out, phase_s, t = {}, {}, time.time()
+
+    def lap(name):
+        nonlocal t
+        phase_s[name] = round(time.time() - t, 1)
+        t = time.time()
+        print(f"[gpu_check]   {name}: {phase_s[name]} s", flush=True)
+
     for name, fn in methods.items():
         fn()                                                  # warm-up
         secs, peak, _ = measure(fn, repeats, cuda)
         out[name] = {"ms_per_token": 1000 * secs / n, "peak_extra_mb": peak}
+        lap(name)
     out["batched_floor_ms_per_token"] = 1000 * batched_floor(model, len(seq), n) / n
+    lap("batched_floor")
     out["host_syncs_per_token"] = host_syncs(model, ids, n)
+    lap("host_syncs")
     r = run_protocol(model, prompt_ids=ids, n_tokens=n, progress=False, batched=True,
                      config=PatchConfig(variant="stable" if model.dtype == torch.bfloat16 else "naive"))
     out["protocol"] = {"token_match": f"{r['summary']['n_match']}/{r['n_tokens']}",
                        "linf_median": r["summary"]["linf_median"], "precision_flags": r["config"]["precision_flags"]}
+    lap("protocol")
+    out["phase_seconds"] = phase_s
     if cuda:
         out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
     return out
@@ -106,23 +118,34 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated, of bfloat16,float32")
+    ap.add_argument("--skip-pytest", action="store_true", help="leave out pytest -m cuda")
     args = ap.parse_args(argv)
     t0 = time.time()
     result = {"versions": versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     cuda = torch.cuda.is_available()
     print(f"[gpu_check] {json.dumps(result['versions'])}", flush=True)
+    from ctxpatch_lite._optional import version_warnings
+    result["version_warnings"] = version_warnings()
+    for text in result["version_warnings"]:
+        print(f"[gpu_check] WARNING: {text}", flush=True)
     if not cuda:
         print("[gpu_check] CUDA is absent: running the CPU parts only (cuda tests skip; a 2-layer model of the "
               "1B shape for the benchmark)", flush=True)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                        str(ROOT / "tests" / "test_cuda.py")], capture_output=True, text=True, cwd=ROOT)
-    result["pytest_cuda"] = {"returncode": r.returncode, "tail": r.stdout.strip().splitlines()[-3:]}
-    print("[gpu_check] pytest -m cuda:", result["pytest_cuda"]["tail"][-1] if result["pytest_cuda"]["tail"] else "",
-          flush=True)
+    rc = 0
+    if not args.skip_pytest:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            str(ROOT / "tests" / "test_cuda.py"), str(ROOT / "tests" / "test_precision.py")],
+                           capture_output=True, text=True, cwd=ROOT)
+        rc = r.returncode
+        result["pytest_cuda"] = {"returncode": r.returncode, "tail": r.stdout.strip().splitlines()[-12:]}
+        print("[gpu_check] pytest -m cuda:\n  " + "\n  ".join(result["pytest_cuda"]["tail"]), flush=True)
     device = "cuda" if cuda else "cpu"
-    for dtype in (torch.bfloat16, torch.float32):
+    for key in args.dtypes.split(","):
+        dtype = getattr(torch, key)
+        t0b = time.time()
         model = build_model(dtype, device, layers=None if cuda else 2)
-        key = str(dtype).replace("torch.", "")
+        print(f"[gpu_check] {key}: model built in {time.time() - t0b:.1f} s", flush=True)
         result[f"bench_{key}"] = bench(model, args.tokens if cuda else 4, args.repeats if cuda else 1)
         print(f"[gpu_check] {key}: {json.dumps(result[f'bench_{key}'])}", flush=True)
         del model
@@ -132,7 +155,7 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"[gpu_check] wrote {args.out} in {result['seconds']} s")
-    return 0 if (r.returncode in (0, 5) or not cuda) else 1
+    return 0 if (rc in (0, 5) or not cuda) else 1
 
 
 if __name__ == "__main__":
