@@ -126,11 +126,14 @@ def appendix_e_outer(model, prompt_ids: list, layer: int = 0) -> dict:
         D_gate = torch.outer(Wg @ (T[k].z.double() - T[k - 1].z.double()), z0) / n2
         D_down = torch.outer(T[k].v.double() - T[k - 1].v.double(), h) / float(h @ h)
         Wg_k, Wd_k = unit_trace_step(Wg_k, D_gate), unit_trace_step(Wd_k, D_down)
-        steps.append(dict(k=k, gate_step_norm=float(D_gate.norm()), down_step_norm=float(D_down.norm())))
+        steps.append(dict(k=k, gate_step_norm=float(D_gate.norm()), down_step_norm=float(D_down.norm()),
+                          gate_sum_norm=float((Wg_k - Wg).norm()), down_sum_norm=float((Wd_k - Wd).norm()),
+                          gate_gap=relative_error(Wg_k - Wg, one_gate), down_gap=relative_error(Wd_k - Wd, one_down)))
     # the summed patches reproduce the full-context block output from the no-context v
     out = v0 + F.linear(h, Wd_k)
     target = T[-1].out.double()
     return dict(family=ad.family.key, layer=layer, n_context=len(T) - 1, steps=steps,
+                gate_one_shot_norm=float(one_gate.norm()), down_one_shot_norm=float(one_down.norm()),
                 gate_telescoping_error=relative_error(Wg_k - Wg, one_gate),
                 down_telescoping_error=relative_error(Wd_k - Wd, one_down), block_error=relative_error(out, target))
 

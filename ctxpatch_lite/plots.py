@@ -30,6 +30,23 @@ def _color(label: str, i: int):
     return plt.rcParams["axes.prop_cycle"].by_key()["color"][i % 10]
 
 
+MARKERS = {"bfloat16-naive": ("o", "-"), "bfloat16-stable": ("s", "--"), "float32-naive": ("^", "-."),
+           "float32-stable": ("D", ":"), "float64-naive": ("v", "-"), "float64-stable": ("P", "--")}
+
+
+def _marker(label: str, i: int) -> tuple[str, str]:
+    """A marker and a line style per configuration, so that lines stay apart in greyscale and when they overlap."""
+    for key, ml in MARKERS.items():
+        if label.startswith(key):
+            return ml
+    return ("o^sDvP"[i % 6], ["-", "--", "-.", ":"][i % 4])
+
+
+def _integer_ticks(ax, axis: str = "x") -> None:
+    from matplotlib.ticker import MaxNLocator
+    (ax.xaxis if axis == "x" else ax.yaxis).set_major_locator(MaxNLocator(integer=True))
+
+
 def _positive(xs, floor=1e-12):
     return [max(float(x), floor) for x in xs]
 
@@ -76,26 +93,38 @@ def block_diagram():
     return fig
 
 
-def per_token(runs: dict, title: str = ""):
-    """Figure 3 style: per generated token, L∞ logit distance and TVD for each labelled run; x = mismatch."""
-    fig, axes = plt.subplots(2, 1, figsize=(8, 5.2), sharex=True)
+def per_token(runs: dict, title: str = "", floors: dict | None = None):
+    """Figure 3 style: per generated token, L∞ logit distance and TVD for each labelled run, one marker and line
+    style per run (they overlap in places); a black × marks a step whose top token differs from the baseline's.
+    ``floors``: optional {label: value} reference lines on the L∞ panel (e.g. one ulp of the dtype at the logits'
+    magnitude, or the unpatched model's distance), drawn dotted in grey and named in the legend."""
+    fig, axes = plt.subplots(2, 1, figsize=(8, 5.4), sharex=True)
+    n = len(runs)
     for i, (label, run) in enumerate(runs.items()):
         steps = run["steps"]
         xs = [s["step"] for s in steps]
         color = _color(label, i)
+        marker, ls = _marker(label, i)
         for ax, key in zip(axes, ("linf", "tvd")):
             ys = _positive([s[key] for s in steps])
-            ax.plot(xs, ys, "-o", ms=3, lw=1.3, color=color, label=label)
+            ax.plot(xs, ys, ls, marker=marker, ms=4 + 1.5 * (n - 1 - i), mfc="none" if i % 2 else color, mec=color,
+                    mew=1.3, lw=1.3, color=color, label=label, zorder=3 + i)   # smaller markers on top
             bad = [(x, y) for x, y, s in zip(xs, ys, steps) if not s["match"]]
             if bad:
-                ax.plot(*zip(*bad), "x", color="red", ms=9, mew=2)
-    axes[0].set_ylabel("L∞ logit distance")
-    axes[1].set_ylabel("TVD")
+                ax.plot(*zip(*bad), "x", color="black", ms=10, mew=2.2, zorder=20,
+                        label="top token differs" if (ax is axes[0] and not any(
+                            h.get_label() == "top token differs" for h in axes[0].get_lines())) else None)
+    for j, (name, value) in enumerate((floors or {}).items()):
+        axes[0].axhline(value, color=("0.35", "0.55", "0.2")[j % 3], ls=(":", (0, (6, 3)), (0, (1, 1)))[j % 3], lw=1.3,
+                        label=name)
+    axes[0].set_ylabel("L∞ logit distance (logit units)")
+    axes[1].set_ylabel("TVD (probability)")
     axes[1].set_xlabel("generated token (step)")
+    _integer_ticks(axes[1])
     for ax in axes:
         ax.set_yscale("log")
-    axes[0].legend(fontsize=8, ncol=2, loc="best")
-    axes[0].set_title(title or "Patched (no context) vs baseline (full context); red × = token mismatch")
+    axes[0].legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    axes[0].set_title(title or "Patched (no context) vs baseline (full context); × = token mismatch")
     fig.tight_layout()
     return fig
 
@@ -128,7 +157,8 @@ def singular_values(svals: dict):
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for i, (name, s) in enumerate(svals.items()):
         ax.semilogy(range(1, len(s) + 1), _positive(s, 1e-20), "o-", label=name)
-    ax.set_xlabel("index")
+    ax.set_xlabel("index (largest first)")
+    _integer_ticks(ax)
     ax.set_ylabel("singular value")
     ax.set_title("Singular values of ΔW (rank 1: one value, the rest at rounding level)")
     ax.legend()
@@ -151,8 +181,9 @@ def h_histogram(abs_h, n_zero: int, title: str = ""):
     vals = _host(abs_h)
     pos = vals[vals > 0]
     ax.hist(np.log10(pos), bins=80, color="#4c72b0")
+    ax.set_yscale("log")                      # the point is the tail of tiny |h_i|: a few values among millions
     ax.set_xlabel("log10 |h_i|   (h = N(W_down h_g), what Δm divides by)")
-    ax.set_ylabel("count")
+    ax.set_ylabel("count (log scale)")
     ax.set_title(title or f"{vals.size:,} values; exact zeros (divide-by-1 fallbacks): {n_zero}; "
                           f"min |h| = {pos.min():.2e}")
     fig.tight_layout()
@@ -189,9 +220,11 @@ def distributions(values: dict, xlabel: str, title: str):
     for i, (label, v) in enumerate(values.items()):
         v = np.abs(_host(v))
         v = v[v > 0]
-        ax.hist(np.log10(v), bins=60, alpha=0.55, label=label, color=_color(label, i))
+        ax.hist(np.log10(v), bins=60, histtype="step", lw=1.6, ls=_marker(label, i)[1], label=label,
+                color=_color(label, i))
+    ax.set_yscale("log")                      # the large entries are few: a linear count hides them
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("count")
+    ax.set_ylabel("count (log scale)")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -214,26 +247,35 @@ def update_norms(rows: list[dict], title: str = "Update norms per variant (media
 
 
 def start_layer_sweep(rows: list[dict]):
-    """Token match, median L∞ and update norms against the start layer (one line per label)."""
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    """Against the start layer, one line per label: token match, median L∞, ‖Δv‖ at the start layer (what the first
+    patched layer must absorb) and the median update norms. Labels are dodged sideways by 0.2 layer so that equal
+    values stay visible."""
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.7))
     labels = sorted({r["label"] for r in rows})
     for i, label in enumerate(labels):
         rs = sorted((r for r in rows if r["label"] == label), key=lambda r: r["start_layer"])
-        xs = [r["start_layer"] for r in rs]
+        dodge = 0.2 * (i - (len(labels) - 1) / 2)          # equal values side by side, not hidden behind each other
+        xs = [r["start_layer"] + dodge for r in rs]
         c = _color(label, i)
-        axes[0].plot(xs, [100 * r["n_match"] / r["n_tokens"] for r in rs], "o-", color=c, label=label)
-        axes[1].semilogy(xs, _positive([r["linf_median"] for r in rs]), "o-", color=c, label=label)
-        axes[2].semilogy(xs, _positive([r["dm_norm"] for r in rs]), "o-", color=c, label=f"{label}: Δm")
-        axes[2].semilogy(xs, _positive([r["matrix_norm"] for r in rs]), "s--", color=c, alpha=0.6,
-                         label=f"{label}: matrices")
+        mk, ls = _marker(label, i)
+        axes[0].plot(xs, [100 * r["n_match"] / r["n_tokens"] for r in rs], ls, marker=mk, color=c, label=label,
+                     ms=7 - 2 * i, mfc="none" if i else c, mec=c, mew=1.3)
+        axes[1].semilogy(xs, _positive([r["linf_median"] for r in rs]), ls, marker=mk, color=c, label=label)
+        axes[2].semilogy(xs, _positive([r["dv_first"] for r in rs]), ls, marker=mk, color=c, label=label,
+                         ms=7 - 2 * i, mfc="none" if i else c, mec=c, mew=1.3)
+        axes[3].semilogy(xs, _positive([r["dm_norm"] for r in rs]), ls, marker=mk, color=c, label=f"{label}: Δm")
+        axes[3].semilogy(xs, _positive([r["matrix_norm"] for r in rs]), ls, marker="s", color=c, alpha=0.6,
+                         mfc="none", mec=c, mew=1.3, label=f"{label}: matrices")
     axes[0].set_ylabel("token match (%)")
     axes[0].set_ylim(-5, 105)
     axes[1].set_ylabel("median L∞ logit distance")
-    axes[2].set_ylabel("median update norm")
+    axes[2].set_ylabel("‖Δv‖ at the start layer (median)")
+    axes[3].set_ylabel("median update norm")
     for ax in axes:
-        ax.set_xlabel("start layer (0-based; last = last layer only)")
+        ax.set_xlabel("start layer (0-based)")
+        _integer_ticks(ax)
     axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=6)
+    axes[3].legend(fontsize=6)
     fig.suptitle("Start-layer sweep: layers below the start run on the query alone, unpatched", fontsize=11)
     fig.tight_layout()
     return fig
@@ -250,14 +292,16 @@ def family_errors(rows_by_dtype: dict):
     width = 0.8 / len(dtypes)
     for i, dt in enumerate(dtypes):
         errs = {r["family"]: r["max_block_rel_error"] for r in rows_by_dtype[dt]}
-        ax.bar(np.arange(len(fams)) + i * width, _positive(errs[f] for f in fams), width, label=dt,
-               color=_color(f"{dt}-naive", i))
+        ax.bar(np.arange(len(fams)) + i * width, _positive((errs[f] for f in fams), 1e-18), width, label=dt,
+               color=_color(f"{dt}-naive", i), hatch="" if i == 0 else "//", edgecolor="white")
     ax.axhline(1e-10, color="k", lw=0.8, ls="--", label="float64 target 1e-10")
+    top = max(max(r["max_block_rel_error"] for r in rs) for rs in rows_by_dtype.values())
+    ax.set_ylim(1e-18, max(top, 1e-10) * 30)              # no bar touches either edge
     ax.set_yscale("log")
     ax.set_xticks(np.arange(len(fams)) + 0.4 - width / 2, fams, rotation=35, ha="right")
     ax.set_ylabel("max relative block error")
     ax.set_title("Algorithm 1 on every family (tiny seeded models)")
-    ax.legend(fontsize=8, ncol=len(dtypes) + 1)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     return fig
 
@@ -281,15 +325,31 @@ def appendix_d_search(result: dict):
 
 
 def appendix_e_steps(result: dict):
-    """Appendix E, case 1: the norm of each per-token gradient step (they sum to the one-shot patch)."""
-    ks = [s["k"] for s in result["steps"]]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    ax.bar(np.asarray(ks) - 0.2, [s["gate_step_norm"] for s in result["steps"]], 0.4, label="W_gate step")
-    ax.bar(np.asarray(ks) + 0.2, [s["down_step_norm"] for s in result["steps"]], 0.4, label="W_down step")
-    ax.set_xlabel("context tokens absorbed (k)")
-    ax.set_ylabel("||step||_F")
-    ax.set_title(f"Appendix E: one unit trace step per context token ({result['family']}, layer {result['layer']})")
-    ax.legend(fontsize=8)
+    """Appendix E, case 1: the per-token gradient steps telescope. Left: each step's norm (bars) and the norm of
+    their running sum (line), which ends on the one-shot patch's norm (dashed). Right: the relative distance of the
+    running sum from the one-shot patch, down to rounding level once the whole context is absorbed."""
+    st = result["steps"]
+    ks = np.asarray([s["k"] for s in st])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.0))
+    for j, (part, c, off) in enumerate((("gate", "#1f77b4", -0.2), ("down", "#ff7f0e", 0.2))):
+        a1.bar(ks + off, [s[f"{part}_step_norm"] for s in st], 0.4, color=c, alpha=0.45, label=f"W_{part} step")
+        a1.plot(ks, [s[f"{part}_sum_norm"] for s in st], ["-o", "--s"][j], color=c, label=f"W_{part} running sum")
+        a1.axhline(result[f"{part}_one_shot_norm"], color=c, ls=":", lw=1.2, label=f"W_{part} one-shot patch")
+        a2.semilogy(ks, _positive([s[f"{part}_gap"] for s in st], 1e-17), ["-o", "--s"][j], color=c,
+                    label=f"W_{part}")
+    a1.set_xlabel("context tokens absorbed (k)")
+    a1.set_ylabel("Frobenius norm")
+    a1.set_title("steps and their running sum")
+    a1.legend(fontsize=7, ncol=3, loc="upper left", bbox_to_anchor=(0.0, -0.2), borderaxespad=0)
+    a2.axhline(2.2e-16, color="0.45", ls=":", lw=1.2, label="float64 rounding (2.2e-16)")
+    a2.set_xlabel("context tokens absorbed (k)")
+    a2.set_ylabel("relative distance")
+    a2.set_title("‖running sum − one-shot‖ / ‖one-shot‖")
+    a2.legend(fontsize=7, loc="lower left")
+    for ax in (a1, a2):
+        _integer_ticks(ax)
+    fig.suptitle(f"Appendix E: one unit trace step per context token ({result['family']}, layer {result['layer']})",
+                 fontsize=11)
     fig.tight_layout()
     return fig
 

@@ -26,19 +26,29 @@ def passes(row) -> bool:
     return meets_target(row.to_dict())
 
 
-def format_table(rows) -> str:
-    head = ("family", "class", "block", "input patch", "output patch", "dtype", "single block", "block err", "match",
-            "L_inf med", "L_inf last", "materialized", "batched", "stable",
-            "fallbacks", "unpatched match", "unpatched L_inf", "routing", "weights")
-    lines = [head]
-    for r in rows:
-        lines.append((r.family, r.hf_class, r.block, r.input_patch, r.output_patch, r.dtype,
-                      f"{r.single_block_rel_error:.1e}", f"{r.max_block_rel_error:.1e}", r.token_match,
-                      f"{r.linf_median:.1e}", f"{r.linf_last:.1e}", r.materialized_token_match,
-                      r.batched_token_match + ("" if r.batched_same_tokens else " (tokens differ)"),
-                      r.stable_token_match, str(r.fallbacks),
-                      r.none_token_match, f"{r.none_linf_median:.1e}", r.routing, r.weights))
-    widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
+def _cells(r) -> dict:
+    return {"family": r.family, "class": r.hf_class, "block": r.block, "input patch": r.input_patch,
+            "output patch": r.output_patch, "dtype": r.dtype, "single block": f"{r.single_block_rel_error:.1e}",
+            "block err": f"{r.max_block_rel_error:.1e}", "match": r.token_match, "L_inf med": f"{r.linf_median:.1e}",
+            "L_inf last": f"{r.linf_last:.1e}", "materialized": r.materialized_token_match,
+            "batched": r.batched_token_match + ("" if r.batched_same_tokens else " (tokens differ)"),
+            "stable": r.stable_token_match, "fallbacks": str(r.fallbacks), "unpatched match": r.none_token_match,
+            "unpatched L_inf": f"{r.none_linf_median:.1e}", "routing": r.routing, "weights": r.weights}
+
+
+ALL_COLUMNS = ("family", "class", "block", "input patch", "output patch",
+               "dtype", "single block", "block err", "match", "L_inf med", "L_inf last", "materialized", "batched",
+               "stable", "fallbacks", "unpatched match", "unpatched L_inf", "routing", "weights")
+# what notebook 07 prints: the exactness figures (the anatomy columns are a second, per-family table)
+RESULT_COLUMNS = ("family", "dtype", "single block", "block err", "match", "L_inf med", "batched", "stable",
+                  "unpatched match", "unpatched L_inf")
+ANATOMY_COLUMNS = ("family", "block", "input patch", "output patch")
+
+
+def format_table(rows, columns=ALL_COLUMNS) -> str:
+    """A fixed-width table of ``FamilyRow`` s, the named ``columns`` in order."""
+    lines = [tuple(columns)] + [tuple(_cells(r)[c] for c in columns) for r in rows]
+    widths = [max(len(l[i]) for l in lines) for i in range(len(columns))]
     out = ["  ".join(c.ljust(w) for c, w in zip(l, widths)).rstrip() for l in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)

@@ -94,7 +94,8 @@ class Algorithm1View:
         return {"run": run, "figure": fig, "table": run_table(run)}
 
     def app(self, initial: dict, n_layers: int, prompts: list[dict]):
-        """ipywidgets controls: precision, start layer, variant, prompt (or free text), model. Returns a VBox."""
+        """ipywidgets controls: precision, start layer, variant, which h the scale patch divides by (``h_source``),
+        prompt (or free text), model. Returns a VBox."""
         from ._optional import require
         W = require("ipywidgets", "notebooks", "the widget panel")
         import matplotlib.pyplot as plt
@@ -109,6 +110,10 @@ class Algorithm1View:
             "start_layer": W.IntSlider(value=initial["start_layer"], min=0, max=n_layers - 1,
                                        description="start layer", continuous_update=False),
             "variant": W.ToggleButtons(options=["naive", "stable"], value=initial["variant"], description="variant"),
+            "h_source": W.ToggleButtons(options=["actual", "recorded"], value=initial.get("h_source", "actual"),
+                                        description="h_source",
+                                        tooltips=["h the patched layer computes in this pass (Theorem 1 as stated)",
+                                                  "h recorded in the full-context pass"]),
             "prompt": W.Dropdown(options=prompt_options, value=initial_prompt, description="prompt"),
             "free_text": W.Text(value=initial["prompt"], description="free text", continuous_update=False,
                                 layout=W.Layout(width="90%")),
@@ -142,7 +147,7 @@ class Algorithm1View:
                     follow_model(model_name)
                     res = self.render(prompt, model_name=model_name, dtype=c["dtype"].value,
                                       tokens=initial["tokens"], variant=c["variant"].value,
-                                      start_layer=c["start_layer"].value)
+                                      start_layer=c["start_layer"].value, h_source=c["h_source"].value)
                 except ValueError as exc:  # e.g. an empty free-text prompt: say so in the panel
                     print(f"cannot run: {exc}")
                     status.value = "<b>error</b>"
@@ -150,12 +155,12 @@ class Algorithm1View:
                 display(res["figure"])
                 plt.close(res["figure"])
                 print(res["table"])
-            status.value = (f"<b>done</b>: {c['dtype'].value}, {c['variant'].value}, start layer "
-                            f"{c['start_layer'].value}")
+            status.value = (f"<b>done</b>: {c['dtype'].value}, {c['variant'].value}, h_source "
+                            f"{c['h_source'].value}, start layer {c['start_layer'].value}")
 
         for w in c.values():
             w.observe(rerun, names="value")
-        box = W.VBox([W.HBox([c["dtype"], c["variant"]]), c["start_layer"], W.HBox([c["prompt"], c["model"]]),
+        box = W.VBox([W.HBox([c["dtype"], c["variant"]]), c["h_source"], c["start_layer"], W.HBox([c["prompt"], c["model"]]),
                       c["free_text"], status, out])
         box.controls, box.output, box.rerun = c, out, rerun
         return box

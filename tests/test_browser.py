@@ -192,6 +192,13 @@ def _drive_widgets(page, prefix: str):
     page.screenshot(path=str(ARTIFACTS / f"{prefix}03_after_start_layer_17.png"))
     assert after_slider["img"] != after_precision["img"], "the plot was not redrawn after the slider"
     assert after_slider["text"] != after_precision["text"]
+
+    page.locator(".widget-toggle-buttons:has(label:text-is('h_source')) button:has-text('recorded')").click()
+    page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
+                           ".some(e => e.innerText.includes('h_source recorded, start layer 17'))", timeout=300_000)
+    after_h = _panel_state(page)
+    page.screenshot(path=str(ARTIFACTS / f"{prefix}04_after_h_source_recorded.png"))
+    assert after_h["text"] != after_slider["text"], "the h_source toggle did not rerun Algorithm 1"
     assert page.locator("[data-mime-type='application/vnd.jupyter.error']").count() == 0
 
 

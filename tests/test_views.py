@@ -42,8 +42,10 @@ def test_widget_callbacks_rerun_and_redraw(folder, monkeypatch):
     c["start_layer"].value = 3
     assert calls[-1]["start_layer"] == 3 and calls[-1]["dtype"] == "float64"
     c["variant"].value = "stable"
-    assert calls[-1]["variant"] == "stable"
-    assert len(calls) == 3
+    assert calls[-1]["variant"] == "stable" and calls[-1]["h_source"] == "actual"
+    c["h_source"].value = "recorded"
+    assert calls[-1]["h_source"] == "recorded" and calls[-1]["variant"] == "stable"
+    assert len(calls) == 4
     assert "done" in panel.children[-2].value
 
 

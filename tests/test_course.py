@@ -1,0 +1,169 @@
+"""The notebook series as a course: every notebook opens with what it teaches, needs and takes, a Colab badge and
+the notation link, and closes with takeaways and questions; the Colab cell does nothing outside Colab; no parameter
+is dead; plumbing and solutions are hidden; every number in the prose is either printed by the notebook's own run or
+listed with its source in notebooks/quoted_numbers.json."""
+import json
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NUMBER = re.compile(r"(?<![\w.^{_\\$§-])(\d+(?:\.\d+)?\s?%|\d+\.\d+|\d+(?:\.\d+)?\s?×|\d{2,}(?:,\d{3})*)(?![\w}^])")
+
+
+def load(path):
+    return nbformat.read(path, as_version=4)
+
+
+def test_notation_file_exists_and_defines_h_once():
+    text = (ROOT / "notebooks" / "NOTATION.md").read_text()
+    assert "**always** $N(W_\\text{down} h_g)$" in text and "| $h_g$ |" in text
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_opens_and_closes_like_a_course(path):
+    nb = load(path)
+    head = nb.cells[0].source
+    assert head.startswith("# ") and f"notebooks/{path.stem}.ipynb" in head and "colab-badge.svg" in head
+    assert "(NOTATION.md)" in head
+    for row in ("**You will learn**", "**You need**", "**Time**"):
+        assert row in head, row
+    times = json.loads((ROOT / "notebooks" / "times.json").read_text())
+    sec = times["seconds"][path.stem]
+    said = f"about {sec:.0f} s" if sec < 90 else f"about {sec / 60:.1f} min"
+    assert f"| **Time** | {said} to execute on 2 CPU cores" in head, (said, times["measured"])
+    prose = [c for c in nb.cells if c.cell_type == "markdown"]
+    assert prose[-1].source.startswith("## Takeaways") and "## Questions to try" in prose[-1].source
+    after = nb.cells[nb.cells.index(prose[-1]) + 1:]
+    assert all("plumbing" in c.metadata.get("tags", []) for c in after)
+
+
+def _colab_cells():
+    return [next(c for c in load(p).cells if "colab" in c.metadata.get("tags", [])) for p in NOTEBOOKS]
+
+
+def test_colab_cell_is_the_same_everywhere_and_first():
+    cells = _colab_cells()
+    assert len({c.source for c in cells}) == 1
+    for p in NOTEBOOKS:
+        nb = load(p)
+        assert "colab" in nb.cells[1].metadata.get("tags", []) and "parameters" in nb.cells[2].metadata.get("tags", [])
+
+
+def test_colab_cell_does_nothing_elsewhere(monkeypatch):
+    src = _colab_cells()[0].source
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+
+    def refuse(*a, **k):
+        raise AssertionError("the Colab cell ran a subprocess outside Colab")
+    monkeypatch.setattr(subprocess, "run", refuse)
+    namespace = {}
+    exec(compile(src, "colab-cell", "exec"), namespace)
+    assert "output" not in namespace and "subprocess" not in namespace
+
+
+def test_colab_cell_installs_and_enables_widgets_inside_colab(monkeypatch):
+    src = _colab_cells()[0].source
+    calls, enabled = [], []
+    google = types.ModuleType("google")
+    colab = types.ModuleType("google.colab")
+    colab.output = types.SimpleNamespace(enable_custom_widget_manager=lambda: enabled.append(True))
+    google.colab = colab
+    monkeypatch.setitem(sys.modules, "google", google)
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check: calls.append(cmd))
+    exec(compile(src, "colab-cell", "exec"), {})
+    assert calls and calls[0][1:4] == ["-m", "pip", "install"]
+    assert any(a.startswith("ctxpatch-lite[notebooks,embedded] @ git+https://github.com/") for a in calls[0])
+    assert enabled == [True]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_dead_parameters(path):
+    nb = load(path)
+    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    names = re.findall(r"(?m)^(\w+)\s*=", params.source)
+    rest = "\n".join(c.source for c in nb.cells if c.cell_type == "code" and c is not params)
+    dead = [n for n in names if not re.search(rf"\b{n}\b", rest)]
+    assert not dead, f"parameters nothing uses: {dead}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_plumbing_and_solutions_are_hidden(path):
+    nb = load(path)
+    for c in nb.cells:
+        if c.cell_type != "code":
+            continue
+        tags = c.metadata.get("tags", [])
+        if "save_metrics(" in c.source:
+            assert c.source.lstrip().startswith("save_metrics(") and "plumbing" in tags, c.source[:80]
+        if "plumbing" in tags or "solution" in tags:
+            assert c.metadata.get("jupyter", {}).get("source_hidden") is True, c.source[:80]
+
+
+def test_every_exercise_is_in_a_notebook_with_its_check():
+    found = {}
+    for p in NOTEBOOKS:
+        cells = load(p).cells
+        for i, c in enumerate(cells):
+            if "solution" in c.metadata.get("tags", []):
+                name = re.search(r"^def (\w+)", c.source, re.M).group(1)
+                assert f"ex.check_{name}({name})" in cells[i + 1].source, (p.stem, name)
+                found[name] = p.stem
+    assert found == {"input_patch": "02_single_block_patch", "scale_patch": "02_single_block_patch",
+                     "bisection_step": "04_numerical_stability", "algorithm1": "03_algorithm1"}
+
+
+def _output_text(nb) -> str:
+    out = []
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            out.append(o.get("text", "") if isinstance(o.get("text", ""), str) else "".join(o["text"]))
+            for key in ("text/plain", "text/markdown", "text/html"):
+                v = o.get("data", {}).get(key)
+                if v:
+                    out.append(v if isinstance(v, str) else "".join(v))
+    return "\n".join(out)
+
+
+def _prose_numbers(nb) -> set:
+    nums = set()
+    for c in nb.cells:
+        if c.cell_type != "markdown":
+            continue
+        s = re.sub(r"\$\$.*?\$\$", "", c.source, flags=re.S)           # display math: formulas, not measurements
+        s = re.sub(r"\(https?://[^)]*\)|`[^`]*`", "", s)                 # links and code
+        s = re.sub(r"(?m)^\| \*\*Time\*\* \|.*$", "", s)                # checked against times.json above
+        for n in NUMBER.findall(s):
+            n = n.replace(" ", "")
+            if re.fullmatch(r"0\d", n) or re.fullmatch(r"(19|20)\d\d", n):  # notebook numbers, years
+                continue
+            nums.add(n)
+    return nums
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_numbers_in_prose_come_from_the_run_or_a_named_source(path):
+    quoted = json.loads((ROOT / "notebooks" / "quoted_numbers.json").read_text()).get(path.stem, {})
+    nb = load(path)
+    outputs = _output_text(nb).replace(" ", "")
+    printed = lambda n: re.search(rf"(?<![\d.]){re.escape(n.rstrip('%×'))}(?![\d])", outputs)
+    missing = sorted(n for n in _prose_numbers(nb) if not printed(n) and n not in quoted)
+    assert not missing, (f"{path.stem}: numbers in the prose that the run does not print and quoted_numbers.json "
+                         f"does not source: {missing}")
+    for n, source in quoted.items():
+        if source.startswith("json:"):                # a measurement kept in a committed JSON: the prose must match it
+            _, file, key = source.split(":", 2)
+            value = json.loads((ROOT / file).read_text())
+            for part in key.split("."):
+                value = value[part]
+            decimals = len(n.split(".")[1]) if "." in n else 0
+            assert round(float(value), decimals) == float(n), (n, source, value)
+    stale = sorted(n for n in quoted if n not in _prose_numbers(nb))
+    assert not stale, f"{path.stem}: quoted_numbers.json lists numbers the prose no longer has: {stale}"

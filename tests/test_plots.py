@@ -1,0 +1,116 @@
+"""Each figure function draws what its docstring says: the lines and bars, log axes where the point is a tail or a
+span of magnitudes, integer ticks where the axis counts, labelled axes, distinct markers per configuration."""
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ctxpatch_lite import plots  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def close():
+    yield
+    plt.close("all")
+
+
+def _run(n=6, bad=(2,), scale=1e-6):
+    return {"steps": [{"step": k, "linf": scale * (k + 1), "tvd": scale / 10, "match": k not in bad} for k in range(n)]}
+
+
+def _labelled(ax):
+    return ax.get_xlabel() and ax.get_ylabel()
+
+
+def _integer_ticks(ax):
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    return all(float(t).is_integer() for t in ticks)
+
+
+def test_per_token_lines_markers_mismatches_floors():
+    runs = {"bfloat16-naive": _run(bad=()), "bfloat16-stable": _run(bad=(2, 4), scale=1e-1),
+            "float32-naive": _run(bad=()), "float32-stable": _run(bad=())}
+    fig = plots.per_token(runs, floors={"float32 ulp": 2e-6, "bfloat16 ulp": 0.125})
+    linf, tvd = fig.axes[:2]
+    assert linf.get_yscale() == tvd.get_yscale() == "log"
+    data = [l for l in linf.get_lines() if l.get_label() in runs]
+    assert len(data) == 4 and len({(l.get_marker(), l.get_linestyle()) for l in data}) == 4
+    crosses = [l for l in linf.get_lines() if l.get_marker() == "x"]
+    assert len(crosses) == 1 and len(crosses[0].get_xdata()) == 2 and crosses[0].get_color() == "black"
+    refs = [l for l in linf.get_lines() if l.get_label() in ("float32 ulp", "bfloat16 ulp")]
+    assert len(refs) == 2 and len({(l.get_linestyle(), l.get_color()) for l in refs}) == 2
+    assert all(l.get_markeredgewidth() > 0 for l in data)       # hollow markers stay visible (seaborn sets mew 0)
+    assert _integer_ticks(tvd) and _labelled(tvd) and linf.get_ylabel()
+
+
+def test_histograms_use_log_counts():
+    fig = plots.h_histogram(torch.rand(1000) + 1e-7, n_zero=3)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and "exact zeros" in ax.get_title() and "3" in ax.get_title() and _labelled(ax)
+    fig = plots.distributions({"float32-naive": np.logspace(-3, 6, 500), "bfloat16-stable": np.logspace(-2, 2, 500)},
+                              "log10 |Δm_i|", "t")
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and len(ax.patches) == 2 and _labelled(ax)
+
+
+def test_singular_values_integer_index():
+    fig = plots.singular_values({"ΔW_gate": [1.0, 1e-8, 1e-9], "ΔW_up": [0.5, 1e-8, 1e-10]})
+    ax = fig.axes[0]
+    assert len(ax.get_lines()) == 2 and ax.get_yscale() == "log" and _integer_ticks(ax)
+
+
+def test_start_layer_sweep_plots_dv_at_the_start_layer():
+    rows = [{"label": f"{dt}-naive", "start_layer": s, "n_match": 8, "n_tokens": 8, "linf_median": 1e-5,
+             "dm_norm": 1e6, "matrix_norm": 3.0, "dv_first": 10.0 * (s + 1)} for dt in ("float32", "bfloat16")
+            for s in (0, 6, 12, 17)]
+    fig = plots.start_layer_sweep(rows)
+    assert len(fig.axes) == 4
+    match, linf, dv, norms = fig.axes
+    assert "Δv" in dv.get_ylabel() and dv.get_yscale() == "log" and len(dv.get_lines()) == 2
+    assert list(dv.get_lines()[0].get_ydata()) == [10.0, 70.0, 130.0, 180.0]
+    assert abs(dv.get_lines()[0].get_xdata()[0] - dv.get_lines()[1].get_xdata()[0]) == pytest.approx(0.2)
+    a, b = match.get_lines()          # identical values: told apart by marker and fill, not hidden
+    assert (a.get_marker(), a.get_markerfacecolor()) != (b.get_marker(), b.get_markerfacecolor())
+    assert all(_integer_ticks(ax) for ax in fig.axes) and len(norms.get_lines()) == 4
+
+
+def test_family_errors_not_clipped_above_float64_errors():
+    rows = {"float64": [{"family": "llama", "max_block_rel_error": 4e-16}, {"family": "gpt2", "max_block_rel_error": 1e-15}],
+            "float32": [{"family": "llama", "max_block_rel_error": 1e-7}, {"family": "gpt2", "max_block_rel_error": 3e-7}]}
+    fig = plots.family_errors(rows)
+    ax = fig.axes[0]
+    heights = sorted(p.get_height() for p in ax.patches)
+    assert heights[0] == pytest.approx(4e-16) and ax.get_ylim()[0] <= 4e-16
+    assert ax.get_legend().get_bbox_to_anchor() is not None and ax.get_yscale() == "log"
+
+
+def test_appendix_e_shows_the_running_sum_reaching_the_one_shot_patch():
+    from ctxpatch_lite.appendix import appendix_e_outer
+    from ctxpatch_lite.fixtures import tiny_model
+    res = appendix_e_outer(tiny_model("llama", seed=0), [3, 9, 27, 81, 5, 7], layer=1)
+    last = res["steps"][-1]
+    assert last["gate_sum_norm"] == pytest.approx(res["gate_one_shot_norm"], rel=1e-12)
+    assert last["gate_gap"] < 1e-12 and res["steps"][0]["gate_gap"] > 1e-6
+    fig = plots.appendix_e_steps(res)
+    left, right = fig.axes
+    assert right.get_yscale() == "log" and len(left.patches) == 2 * len(res["steps"])
+    dashed = [l for l in left.get_lines() if l.get_linestyle() == ":"]
+    assert [l.get_ydata()[0] for l in dashed] == [res["gate_one_shot_norm"], res["down_one_shot_norm"]]
+    assert all(_integer_ticks(ax) for ax in (left, right))
+
+
+def test_secular_summary_update_norms_draw():
+    from ctxpatch_lite.stable import invert_rmsnorm_unit
+    g, m = torch.tensor([0.3, -0.2, 0.5], dtype=torch.float64), torch.tensor([1.0, 1.2, 0.8], dtype=torch.float64)
+    inv = invert_rmsnorm_unit(g, m)
+    ax = plots.secular_function(g, m, inv.mu).axes[0]
+    assert _labelled(ax) and any(l.get_marker() == "o" for l in ax.get_lines())
+    rows = [{"label": "float32-naive", "tvd": [1e-7, 2e-7], "n_match": 2, "n_tokens": 2, "matrix_norm": 4.0,
+             "dm_norm": 1e6}, {"label": "bfloat16-stable", "tvd": [1e-2, 2e-2], "n_match": 1, "n_tokens": 2,
+                               "matrix_norm": 4.5, "dm_norm": 7e2}]
+    fig = plots.summary(rows)
+    assert [t.get_text() for t in fig.axes[1].texts] == ["2/2", "1/2"]
+    ax = plots.update_norms(rows).axes[0]
+    assert ax.get_yscale() == "log" and len(ax.patches) == 4
