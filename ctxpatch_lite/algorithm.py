@@ -163,6 +163,13 @@ class Algorithm1:
                        else default_patch_dtype(self.adapter.dtype))
         self.device = next(model.parameters()).device
         self._fixed = None
+        self.media = None     # vision.Media: the images of the context (Gemma3ForConditionalGeneration), else None
+
+    def _media(self, n_tokens: int) -> dict:
+        """Extra inputs of a full-context forward over the first ``n_tokens`` tokens: the images, if any."""
+        if self.media is None:
+            return {}
+        return self.media.kwargs(n_tokens, self.device, self.adapter.dtype)
 
     @property
     def patch_dtype_name(self) -> str:
@@ -186,8 +193,9 @@ class Algorithm1:
         (a tensor): targets and logits at those positions (rows), else at the last one."""
         ids = torch.as_tensor(input_ids, device=self.device).reshape(1, -1)
         keep = 1 if positions is None else positions
+        extra = self._media(ids.shape[1]) if cache is None else {}      # the images enter with the prompt
         with self.norms(), Recorder(self.adapter, positions) as rec:
-            out = self.model(input_ids=ids, cache=cache, use_cache=positions is None, logits_to_keep=keep)
+            out = self.model(input_ids=ids, cache=cache, use_cache=positions is None, logits_to_keep=keep, **extra)
         logits = out.logits[0, -1] if positions is None else out.logits[0]
         cache = None if positions is not None else (out.get("cache") or out.get("past_key_values"))
         return logits, rec.targets(), cache
@@ -266,7 +274,8 @@ class Algorithm1:
         # Both passes stop at the final hidden rows; one output-head product over all 2N rows then gives the
         # baseline and the patched logits (one large matrix product streams the head's weights once).
         with self.norms(), Recorder(self.adapter, pos) as rec:
-            h_full = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, pos]
+            h_full = self.model.base_model(input_ids=ids, use_cache=False,
+                                           **self._media(ids.shape[1])).last_hidden_state[0, pos]
         targets = rec.targets()
         h_query, pp = self._schedule(ids[0, pos].reshape(-1, 1), pos.reshape(-1, 1), targets, hidden=True)
         with self.norms():

@@ -240,6 +240,12 @@ def _fixed(rec) -> Figure:
                   f"freshly patched step 0: {sum(s['match'] for s in first)}/{len(first)}")
 
 
+def _block_error(rec) -> Figure:
+    errs = [e for s in steps_of(rec) for e in s["diagnostics"].get("per_layer", {}).get("block_error", [])]
+    worst = max(errs) if errs else math.nan
+    return Figure({"block_error": worst}, f"{worst:.1e} over {len(errs)} layer outputs; {frac(rec)} tokens")
+
+
 def _control(rec) -> Figure:
     s = rec["summary"]
     return Figure({"linf_median": s["linf_median"]}, f"{frac(rec)} tokens; median L∞ {s['linf_median']:.3g}")
@@ -461,7 +467,22 @@ CLAIMS = [
           (at_least("families", 100.0, "every family exact in float64 and every token matching in float32"),),
           special=_architectures),
     Claim("P16", "paper §4.2, Fig. 5", "image context (Gemma-3-4B): 100 % float32 token match",
-          why_not="needs Gemma-3-4B and the paper's image; neither is available offline"),
+          why_not="needs Gemma-3-4B and the paper's image; neither is available offline (the same code runs it: "
+                  "ctxpatch-compare --model google/gemma-3-4b-it --image PATH on a GPU). I1–I3 check the construction "
+                  "with an image on a tiny random Gemma3ForConditionalGeneration"),
+    Claim("I1", "paper §4.2, Fig. 5 (the construction); tiny random Gemma3ForConditionalGeneration", "with images in the context, "
+          "every patched layer reproduces its full-context output at the query (float64)",
+          (at_most("block_error", 1e-10, "largest relative block error over layers and tokens ≤ 1e-10", log=True),),
+          {**BASE, "dtype": "float64", "context": "image"}, ("path", "images"), None, _block_error,
+          note="exactness only: the model's weights are random, so nothing here is about what Gemma sees"),
+    Claim("I2", "paper Fig. 5; review S000 (40/40 in float32 on the 4B model)", "with images in the context, the patched model "
+          "without context picks the baseline's token at every step (float32, tiny random model)", (TOKENS_ALL,),
+          {**BASE, **F32, "context": "image"}, ("path", "images"), None, _match_pct),
+    Claim("I3", "MATH.md §5 (control)", "with an image in the context, the query alone without patches misses what the "
+          "context did (control)",
+          (above("linf_median", 0.1, "median L∞ > 0.1 (the patched runs: below 1e-5)", log=True),),
+          {"path": "step", "forcing": "baseline", "schedule": "selfcorrect", "parts": "none", "context": "image"},
+          ("dtype", "images"), None, _control),
     Claim("P17", "paper App. C.3, Fig. 9", "Falcon-7B: 100 % token match in bfloat16 and float32",
           why_not="needs Falcon-7B weights (no package registry ships them); Falcon's parallel and sequential blocks "
                   "are exact on random weights (S5)"),
@@ -482,7 +503,8 @@ def spec_of(config: dict) -> dict:
             "parts": config.get("parts", "full"),
             "path": "batched" if str(config.get("path", "")).startswith("batched") else "step",
             "forcing": config.get("forcing", "baseline"),
-            "start": "first" if start == 0 else "last" if n is not None and start == n - 1 else f"layer{start}"}
+            "start": "first" if start == 0 else "last" if n is not None and start == n - 1 else f"layer{start}",
+            "context": "image" if config.get("images") else "text", "images": len(config.get("images") or [])}
 
 
 def load_reference(reference_dir: str | Path) -> dict:
@@ -505,7 +527,7 @@ def _matches(rec, want: dict) -> bool:
 
 def readings(claim: Claim, recs: dict) -> list:
     """[(label, Figure, runs used)] for every combination of ``claim.over`` present in the data."""
-    pool = [r for r in recs.values() if _matches(r, claim.select)]
+    pool = [r for r in recs.values() if _matches(r, {"context": "text", **claim.select})]   # text unless asked
     if claim.roles:
         pool_roles = {role: [r for r in pool if _matches(r, o)] for role, o in claim.roles.items()}
         values = {k: sorted({r["spec"][k] for rs in pool_roles.values() for r in rs}) for k in claim.over}

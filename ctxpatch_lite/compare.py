@@ -42,6 +42,10 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="a .txt file with one prompt, or a .json list of prompts")
     src.add_argument("--paper-prompt", help="one of the paper's prompts by id (mars, lipogram, bug, haiku, couplet), "
                                             "or 'all' for the five")
+    ap.add_argument("--image", action="append", default=None, metavar="PATH",
+                    help="an image in the context (repeat for several; a multimodal model such as "
+                         "google/gemma-3-4b-it): each goes where the prompt holds the image placeholder "
+                         "(<start_of_image>); one is put before the prompt's text if it holds none")
     ap.add_argument("--tokens", type=int, default=20, help="generated tokens per prompt (default 20)")
     ap.add_argument("--dtype", default="float32", help=f"model dtype: {', '.join(DTYPES)}")
     ap.add_argument("--patch-dtype", default=None, help="dtype the patches are built in (default: float32, or "
@@ -101,6 +105,10 @@ def main(argv=None) -> int:
             prompts = [{"id": "prompt", "text": args.prompt}]
         if not prompts or any(not str(p["text"]).strip() for p in prompts):
             raise ValueError("the prompt is empty; pass some text via --prompt or --prompt-file")
+        if args.image:
+            missing = [i for i in args.image if not Path(i).is_file()]
+            if missing:
+                raise ValueError(f"--image {missing[0]}: no such file")
     except (ValueError, KeyError) as exc:
         return _fail(str(exc).strip("'\""))
     if args.threads:
@@ -115,9 +123,14 @@ def main(argv=None) -> int:
         Algorithm1(model, config)  # validates the architecture and the start layer against this model
         runs = []
         for p in prompts:
-            rec = run_protocol(model, tokenizer, p["text"], args.tokens, config, chat_template=args.chat_template,
+            text = p["text"]
+            if args.image:
+                marker = getattr(getattr(tokenizer, "tokenizer", None), "boi_token", None)
+                if marker and marker not in text:
+                    text = " ".join([marker] * len(args.image)) + " " + text
+            rec = run_protocol(model, tokenizer, text, args.tokens, config, chat_template=args.chat_template,
                                progress=not args.quiet, desc=p["id"], batched=args.batched,
-                               forcing="patched" if args.free else "baseline")
+                               forcing="patched" if args.free else "baseline", images=args.image)
             rec["prompt_id"] = p["id"]
             runs.append(rec)
     except (ModelLoadError, UnsupportedArchitectureError, PromptError, PatchError, ValueError) as exc:

@@ -83,20 +83,27 @@ def tiny_model(family: str, seed: int = 0, dtype="float64", **config):
     model = cls(cfg)
     if hasattr(model, "set_experts_implementation") and getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
         model.set_experts_implementation("eager")  # the grouped_mm kernel has no float64; eager loops over experts
-    with torch.no_grad():
-        for mname, mod in model.named_modules():
-            for pname, p in mod.named_parameters(recurse=False):
-                noise = torch.randn(p.shape, generator=gen)
-                if p.dim() >= 2:
-                    emb = any(k in mname for k in ("embed", "wte", "wpe", "word_embeddings"))
-                    p.copy_(noise * (0.5 if emb else p.shape[-1] ** -0.5))
-                elif pname == "bias":
-                    p.copy_(0.1 * noise)
-                else:  # a norm scale (LayerNorms scale by weight; the family's RMSNorms by offset + weight)
-                    p.copy_(0.3 * noise + (1.0 - (0.0 if isinstance(mod, torch.nn.LayerNorm) else offset)))
+    _seed_weights(model, gen, offset)
     model.to(resolve_dtype(dtype)).eval().requires_grad_(False)
     model.ctxpatch_source = f"tiny-{family}(seed={seed})"
     return model
+
+
+@torch.no_grad()
+def _seed_weights(model, gen: torch.Generator, offset: float) -> None:
+    """Matrices std ``fan_in**-0.5``, embeddings std 0.5, biases std 0.1, norm scales ``1 + 0.3 * noise`` (stored
+    as the noise where the norm scales by ``offset + weight``), so that no patch is trivially zero."""
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            noise = torch.randn(p.shape, generator=gen)
+            if p.dim() >= 2:
+                emb = any(k in mname for k in ("embed", "wte", "wpe", "word_embeddings"))
+                fan_in = p[0].numel() if p.dim() == 4 else p.shape[-1]       # a conv kernel (SigLIP patches): in × k × k
+                p.copy_(noise * (0.5 if emb else fan_in ** -0.5))
+            elif pname == "bias":
+                p.copy_(0.1 * noise)
+            else:  # a norm scale (LayerNorms scale by weight; the family's RMSNorms by offset + weight)
+                p.copy_(0.3 * noise + (1.0 - (0.0 if isinstance(mod, torch.nn.LayerNorm) else offset)))
 
 
 def tiny_gemma3(seed: int = 0, dtype="float32", num_layers: int = 4, vocab: int = 96, **config):
@@ -161,15 +168,15 @@ def gemma3_1b_shaped(seed: int = 0, progress: bool = True):
     return folder
 
 
-def tiny_tokenizer():
-    """A character-level fast tokenizer (printable ASCII) with Gemma's special ids: <pad>=0, <eos>=1, <bos>=2."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders
+def _char_tokenizer(specials: list, size: int | None, **extra):
+    """A character-level fast tokenizer: ``specials`` get ids 0.. in order (<pad>, <eos>, <bos>, <unk> first), then
+    printable ASCII until ``size`` entries (all of it when ``size`` is None); BOS prepended like Gemma's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    chars = [chr(c) for c in range(32, 127)]
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
-    for ch in chars:
-        if len(vocab) >= 96:
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in (chr(c) for c in range(32, 127)):
+        if size is not None and len(vocab) >= size:
             break
         vocab[ch] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -177,4 +184,83 @@ def tiny_tokenizer():
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
+                                   unk_token="<unk>", **extra)
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer (printable ASCII) with Gemma's special ids: <pad>=0, <eos>=1, <bos>=2."""
+    return _char_tokenizer(["<pad>", "<eos>", "<bos>", "<unk>"], 96)
+
+
+# The tiny multimodal Gemma 3 (issue: images are context too): transformers' own Gemma3ForConditionalGeneration with
+# a 2-layer SigLIP (32 × 32 images, 8 × 8 patches: 16 patches pooled to 4 soft tokens per image) and a 4-layer language
+# model over the character tokenizer below, extended by Gemma's three image tokens.
+IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+VISION_SOFT_TOKENS = 4
+VISION_VOCAB = 104          # the tokenizer's 103 entries, padded
+
+
+def tiny_vision_tokenizer():
+    """A character-level tokenizer like ``tiny_tokenizer`` (all of printable ASCII) plus "\\n" and Gemma 3's image
+    tokens (<start_of_image>=4, <end_of_image>=5, <image_soft_token>=6) as named special tokens, which
+    ``Gemma3Processor`` reads (``boi_token`` ...)."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", IMAGE_TOKENS["boi_token"], IMAGE_TOKENS["eoi_token"],
+                IMAGE_TOKENS["image_token"], "\n"]
+    return _char_tokenizer(specials, None, extra_special_tokens=dict(IMAGE_TOKENS))
+
+
+def tiny_vision_processor():
+    """``Gemma3Processor`` for the tiny multimodal model: 32 × 32 images (PIL backend), 4 soft tokens per image."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return Gemma3Processor(image_processor=images, tokenizer=tiny_vision_tokenizer(),
+                           image_seq_length=VISION_SOFT_TOKENS)
+
+
+def tiny_gemma3_vision(seed: int = 0, dtype="float64", num_layers: int = 4):
+    """A seeded random ``Gemma3ForConditionalGeneration`` (SigLIP 2 layers, width 32; language model ``num_layers``
+    layers, width 64, sliding window 32 on 2 of every 3 layers; vocabulary 104), built in well under a second."""
+    import transformers
+
+    text = dict(vocab_size=VISION_VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=num_layers,
+                num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
+                sliding_window=32, max_position_embeddings=512, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                layer_types=["sliding_attention" if (i + 1) % 3 else "full_attention" for i in range(num_layers)])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=VISION_SOFT_TOKENS,
+                                    boi_token_index=4, eoi_token_index=5, image_token_index=6)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    _seed_weights(model, torch.Generator().manual_seed(seed), offset=1.0)
+    model.to(resolve_dtype(dtype)).eval().requires_grad_(False)
+    model.ctxpatch_source = f"tiny-gemma3-vision(seed={seed})"
+    return model
+
+
+def tiny_gemma3_vision_folder(seed: int = 0, dtype: str = "float32"):
+    """A local folder holding the tiny multimodal model and its processor (``save_pretrained`` of both), built once
+    and cached: what ``load_model(folder)`` and ``ctxpatch-compare --model FOLDER --image ...`` read, exactly as
+    they read ``google/gemma-3-4b-it``."""
+    import os
+    import shutil
+
+    import transformers
+
+    from .models import cache_root
+
+    folder = cache_root() / f"tiny-gemma3-vision-seed{seed}-{dtype}-transformers-{transformers.__version__}"
+    if not (folder / "config.json").exists():                 # built in a private folder, renamed when complete
+        tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tiny_gemma3_vision(seed=seed, dtype=dtype).save_pretrained(tmp)
+            tiny_vision_processor().save_pretrained(tmp)
+            if not (folder / "config.json").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder

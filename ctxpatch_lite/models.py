@@ -284,10 +284,24 @@ def _is_local(name: str) -> bool:
     return os.path.isdir(os.path.expanduser(name)) or name.startswith((".", "/", "~"))
 
 
+def _has_vision(source, local_only: bool) -> bool:
+    """Whether a checkpoint's config has a ``vision_config`` (a multimodal model): read from config.json for a local
+    folder, through ``AutoConfig`` (the hub or its cache) otherwise."""
+    import json
+    path = Path(source) / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text()).get("vision_config") is not None
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(source, local_files_only=local_only, trust_remote_code=False)
+    return getattr(cfg, "vision_config", None) is not None
+
+
 def load_model(name: str | None = None, dtype="float32", device="auto", device_map=None,
                attn_implementation: str | None = None, progress: bool = True, tokenizer: bool = True):
     """Load ``(model, tokenizer)`` in eval mode (``tokenizer=False``: ``(model, None)``, for a caller that already
-    holds this model's tokenizer -- the Gemma tokenizer alone takes ~0.34 GB and ~4 s).
+    holds this model's tokenizer -- the Gemma tokenizer alone takes ~0.34 GB and ~4 s). A multimodal checkpoint
+    (its config has a ``vision_config``: ``google/gemma-3-4b-it``, ``fixtures.tiny_gemma3_vision_folder()``) gives
+    ``(Gemma3ForConditionalGeneration, processor)``.
 
     name: None (embedded Gemma 3 270M), a hub id such as ``google/gemma-3-1b-it``, or a local folder.
     dtype: 'float32' | 'bfloat16' | 'float64'.
@@ -332,11 +346,19 @@ def load_model(name: str | None = None, dtype="float32", device="auto", device_m
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            # A multimodal checkpoint (a config with a vision_config, e.g. google/gemma-3-4b-it) loads as its
+            # image-text-to-text class with its processor (images as context, notebook 08); any other as a causal LM
+            # with its tokenizer.
+            if _has_vision(source, local_only):    # the multimodal classes are imported only then (memory)
+                from transformers import AutoModelForImageTextToText, AutoProcessor
+                model_cls, tok_cls = AutoModelForImageTextToText, AutoProcessor
+            else:
+                model_cls, tok_cls = AutoModelForCausalLM, AutoTokenizer
             # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load.
             with ThreadPoolExecutor(max_workers=1) as pool:
-                tok_future = pool.submit(AutoTokenizer.from_pretrained, source, trust_remote_code=False,
+                tok_future = pool.submit(tok_cls.from_pretrained, source, trust_remote_code=False,
                                          local_files_only=local_only) if tokenizer else None
-                model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_only, **kwargs)
+                model = model_cls.from_pretrained(source, local_files_only=local_only, **kwargs)
                 tok = tok_future.result() if tok_future is not None else None
     except OSError as exc:
         if isinstance(source, str):

@@ -96,6 +96,7 @@ class PatchSet:
     forms: dict = field(default_factory=dict)   # "factored" | "materialized" | "peft" -> {layer: LayerPatch}
     model: dict = field(default_factory=dict)   # model_info of the model it was built on
     baseline_token: int | None = None      # the full-context argmax at the query
+    images: list = field(default_factory=list)  # the context's images (vision.encode_context records), if any
 
     @property
     def layers(self) -> list[int]:
@@ -237,10 +238,12 @@ class PatchSet:
     def _meta(self) -> dict:
         import ctxpatch_lite
         return {"format": "ctxpatch-lite PatchSet", "format_version": FORMAT_VERSION,
-                "valid_for": "one query token (query_id) at one position, after exactly context_ids, on the model "
-                             "described under 'model'",
+                "valid_for": "one query token (query_id) at one position, after exactly context_ids (and the images "
+                             "under 'images', by sha256, where the context held any), on the model described under "
+                             "'model'",
                 "query_id": self.query_id, "position": self.position, "context_ids": self.context_ids,
                 "context_sha": _context_hash(self.context_ids), "baseline_token": self.baseline_token,
+                **({"images": self.images} if self.images else {}),
                 "config": self.config.to_dict(), "layers": self.layers, "forms": list(self.forms),
                 "model": self.model, "ctxpatch_lite": ctxpatch_lite.__version__}
 
@@ -293,7 +296,7 @@ class PatchSet:
         forms = {form: {l: _unflatten(l, meta["kinds"][form][str(l)], d) for l, d in sorted(ps.items())}
                  for form, ps in groups.items()}
         ps = cls(meta["query_id"], meta["position"], meta["context_ids"], PatchConfig.from_dict(meta["config"]),
-                 targets, forms, meta["model"], meta.get("baseline_token"))
+                 targets, forms, meta["model"], meta.get("baseline_token"), meta.get("images", []))
         if model is not None:
             ps.check_model(model)
         return ps
@@ -349,14 +352,22 @@ def _unflatten(layer: int, kind: str, d: dict) -> LayerPatch:
 
 
 @torch.no_grad()
-def absorb(model, context, tokenizer=None, config: PatchConfig | None = None) -> PatchSet:
+def absorb(model, context, tokenizer=None, config: PatchConfig | None = None, images: list | None = None) -> PatchSet:
     """Absorb ``context`` into per-layer weight patches for its last token (the query).
 
     ``context``: text (with ``tokenizer``; encoded as ``tokenizer(text)`` does, with BOS) or token ids. Returns a
     ``PatchSet`` holding the factored patches (``applied``), the recorded targets (to build the other forms exactly)
     and what it is valid for. ``config``: as for Algorithm 1 (variant, start_layer, h_source, schedule ``selfcorrect``
-    or ``ideal``, parts)."""
-    if isinstance(context, str):
+    or ``ideal``, parts). ``images``: PIL images or paths in a text ``context`` with one image placeholder each, for
+    a ``Gemma3ForConditionalGeneration`` with its processor as ``tokenizer`` (``vision.encode_context``); the
+    patches then hold what the images did too."""
+    media = None
+    if images is not None:
+        from .vision import encode_context
+        if not isinstance(context, str):
+            raise ValueError("absorb with images needs the context as text with one image placeholder per image")
+        ids, media = encode_context(tokenizer, context, images, model)
+    elif isinstance(context, str):
         if tokenizer is None:
             raise ValueError("absorb got text but no tokenizer: pass tokenizer=..., or token ids")
         from .protocol import encode_prompt
@@ -371,9 +382,11 @@ def absorb(model, context, tokenizer=None, config: PatchConfig | None = None) ->
                          f"(got schedule {config.schedule!r}, parts {config.parts!r}; 'oracle' feeds recorded inputs "
                          f"and 'fixed' is a generation protocol)")
     alg = Algorithm1(model, PatchConfig.from_dict({**config.to_dict(), "apply": "factored"}))
+    alg.media = media
     logits, T, _ = alg.full_context(ids)
     layers = list(range(alg.config.start_layer, alg.adapter.n_layers))
     ps = PatchSet(ids[-1], len(ids) - 1, ids, alg.config, {l: T[l] for l in layers},
                   model=model_info(model, alg.adapter, layers), baseline_token=int(logits.argmax()))
+    ps.images = media.images if media is not None else []
     ps.forms["factored"] = ps._build(alg, "factored")
     return ps

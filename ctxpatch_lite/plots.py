@@ -395,3 +395,78 @@ def claims_figure(rows: list[dict], ncols: int = 5):
     fig.suptitle("Claims ledger: every reading's figure against the claim's threshold", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def context_images(originals: list, pixel_values, names: list | None = None):
+    """Each image of the context as given (top) and as the model sees it after the processor (bottom: resized and
+    normalised pixel values mapped back to [0, 1])."""
+    import torch
+
+    n = len(originals)
+    fig, axes = plt.subplots(2, n, figsize=(2.6 * n + 0.4, 5.0), squeeze=False)
+    pv = torch.as_tensor(pixel_values).detach().to("cpu", torch.float32)
+    for i, img in enumerate(originals):
+        axes[0, i].imshow(img)
+        axes[0, i].set_title((names or [f"image {i}"] * n)[i] + f"\n{img.size[0]} × {img.size[1]} px", fontsize=9)
+        shown = ((pv[i].permute(1, 2, 0) - pv[i].min()) / (pv[i].max() - pv[i].min() + 1e-12)).numpy()
+        axes[1, i].imshow(shown, interpolation="nearest")
+        axes[0, i].grid(False)
+        axes[1, i].grid(False)
+        axes[1, i].set_title(f"what SigLIP sees: {shown.shape[1]} × {shown.shape[0]} px", fontsize=9)
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.tight_layout()
+    return fig
+
+
+def attention_mask(mask, token_type_ids, labels: list):
+    """The full-context pass's attention mask (row: the attending position, column: the attended one): causal text,
+    each image's soft tokens a bidirectional block (outlined), the query in the last row."""
+    import torch
+    from matplotlib.patches import Rectangle
+
+    m = torch.as_tensor(mask).detach().to("cpu").numpy().astype(float)
+    tt = torch.as_tensor(token_type_ids).reshape(-1).tolist()[: m.shape[0]]
+    fig, ax = plt.subplots(figsize=(6.4, 6.0))
+    ax.imshow(m, cmap="Greys", vmin=0, vmax=1.6, interpolation="nearest")
+    ax.grid(False)
+    start = None
+    for k, t in enumerate(tt + [0]):
+        if t == 1 and start is None:
+            start = k
+        if t != 1 and start is not None:
+            ax.add_patch(Rectangle((start - 0.5, start - 0.5), k - start, k - start, fill=False, ec="#d62728", lw=2,
+                                   label="image block (bidirectional)" if not ax.patches else None))
+            start = None
+    q = m.shape[0] - 1
+    ax.add_patch(Rectangle((-0.5, q - 0.5), m.shape[1], 1, fill=False, ec="#1f77b4", lw=2, label="the query's row"))
+    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
+    ax.set_yticks(range(len(labels)), labels, fontsize=6)
+    ax.set_xlabel("attended position (token)")
+    ax.set_ylabel("attending position (token)")
+    ax.set_title("Attention mask of the full-context pass (dark: may attend)")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def per_layer(series: dict, ylabel: str, title: str, log: bool = True, reference: dict | None = None):
+    """One line per labelled series of per-layer values (distinct markers and styles), integer layer ticks;
+    ``reference``: optional {label: value} horizontal lines."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for i, (label, ys) in enumerate(series.items()):
+        ys = _host(ys)
+        ax.plot(range(len(ys)), _positive(ys, 1e-18) if log else ys, ["-", "--", "-.", ":"][i % 4],
+                marker="osD^v"[i % 5], mfc="none" if i % 2 else None, mew=1.3, ms=7 - i, label=label)
+    for j, (name, value) in enumerate((reference or {}).items()):
+        ax.axhline(value, color="0.45", ls=":", lw=1.2, label=name)
+    if log:
+        ax.set_yscale("log")
+    _integer_ticks(ax)
+    ax.set_xlabel("layer (0-based)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -120,14 +120,17 @@ CASTS = ("patches are built in the patch dtype; the RMSNorm inversion (stable) r
          "metrics are computed in float64 from the logits")
 
 
-def greedy_baseline(model, prompt_ids: list[int], n_tokens: int) -> list[int]:
-    """The baseline's greedy tokens with the full context (KV-cached decode steps, no hooks)."""
-    dev = next(model.parameters()).device
+def greedy_baseline(model, prompt_ids: list[int], n_tokens: int, media=None) -> list[int]:
+    """The baseline's greedy tokens with the full context (KV-cached decode steps, no hooks). ``media``
+    (``vision.Media``): the context's images, given with the prompt's forward."""
+    p = next(model.parameters())
+    dev = p.device
     cache, out = None, []
     with torch.no_grad():   # the next input is the argmax tensor itself: no host transfer until the end
         step = torch.tensor([list(prompt_ids)], device=dev)
-        for _ in range(n_tokens):
-            res = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+        for k in range(n_tokens):
+            extra = media.kwargs(len(prompt_ids), dev, model.dtype) if (media is not None and k == 0) else {}
+            res = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1, **extra)
             cache = res.get("cache") or res.get("past_key_values")
             step = res.logits[:, -1].argmax(-1, keepdim=True)
             out.append(step)
@@ -154,7 +157,7 @@ def summarize(steps: list[dict]) -> dict:
 def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int = 20,
                  config: PatchConfig | None = None, prompt_ids: list[int] | None = None, chat_template: bool = False,
                  progress: bool = True, desc: str | None = None, batched: bool = False,
-                 forcing: str = "baseline") -> dict:
+                 forcing: str = "baseline", images: list | None = None) -> dict:
     """Run the paper's per-token protocol; return a JSON-ready record with per-step metrics and diagnostics.
 
     ``batched=True`` (teacher-forced): generate the baseline's greedy tokens first (KV-cached), then compute every
@@ -166,13 +169,24 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     writes its own text; each step still compares it with the full-context model on that same history, and the
     record's ``free`` block gives the baseline's own greedy text and the number of leading tokens the two texts
     share (``identical_prefix``).
+
+    ``images`` (a ``Gemma3ForConditionalGeneration`` and its processor as ``tokenizer``): PIL images or paths, one
+    per image placeholder (``<start_of_image>``) in ``prompt``; the full-context passes see them, the query-alone
+    pass never does. The record's ``config.images`` names each (file name, sha256, sizes, soft tokens).
     """
     if forcing not in FORCING:
         raise ValueError(f"unknown forcing {forcing!r}; choose one of: {', '.join(FORCING)}")
     if batched and forcing != "baseline":
         raise ValueError("the batched path is teacher-forced on the baseline's greedy tokens; free-running "
                          "generation (forcing='patched') runs step by step: drop batched=True")
-    if prompt_ids is None:
+    media = None
+    if images is not None:
+        from .vision import encode_context
+        if prompt is None or prompt_ids is not None:
+            raise PromptError("a context with images is a text prompt with one image placeholder per image (and the "
+                              "processor as tokenizer); prompt_ids cannot carry images")
+        prompt_ids, media = encode_context(tokenizer, prompt, images, model)
+    elif prompt_ids is None:
         if tokenizer is None:
             raise PromptError("pass a tokenizer with a text prompt, or prompt_ids")
         prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
@@ -183,6 +197,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
         raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
     alg = Algorithm1(model, config or PatchConfig())
     alg.reset()
+    alg.media = media
     ids = list(prompt_ids)
     t0 = time.perf_counter()
     with exact_float32(alg.adapter.dtype != torch.bfloat16):   # TF32 off for float32/float64 runs, then restored
@@ -193,7 +208,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
             steps = _loop_steps(alg, ids, n_tokens, tokenizer, progress, desc, free=forcing == "patched")
         free = None
         if forcing == "patched":
-            greedy = greedy_baseline(model, prompt_ids, n_tokens)
+            greedy = greedy_baseline(model, prompt_ids, n_tokens, media)
             own = [s.next_token for s in steps]
             k = next((i for i, (a, b) in enumerate(zip(own, greedy)) if a != b), len(own))
             free = {"baseline_greedy_ids": greedy, "identical_prefix": k, "n_tokens": len(own),
@@ -216,12 +231,14 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
             "dtype": dtype_name(alg.adapter.dtype),
             "device": str(alg.device),
             "n_layers": alg.adapter.n_layers,
-            "hidden_size": getattr(model.config, "hidden_size", None),
+            "hidden_size": getattr(model.config.get_text_config(), "hidden_size", None),
             "casts": CASTS,
             "path": "batched teacher-forced" if batched else "step by step (KV-cached targets)",
             "forcing": forcing,
             "precision_flags": flags,
             "environment": environment(model),
+            **({"images": media.images, "image_token_positions": [i for i, t in enumerate(
+                media.token_type_ids[0].tolist()) if t == 1]} if media is not None else {}),
         },
         extra={"free": free} if free is not None else {},
     ).to_dict()
@@ -265,7 +282,7 @@ def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, d
     the full-sequence forward; in low precision their argmax can differ from the cached greedy token at a near
     tie, which the record flags as ``baseline_argmax_differs``.
     """
-    gen = greedy_baseline(alg.model, prompt_ids, n_tokens)
+    gen = greedy_baseline(alg.model, prompt_ids, n_tokens, alg.media)
     seq = list(prompt_ids) + gen[:-1]
     positions = list(range(len(prompt_ids) - 1, len(seq)))
     base, patched, record, _ = alg.batched(seq, positions)

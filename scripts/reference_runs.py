@@ -16,6 +16,9 @@ targets. Sets:
 * ``batched``: the batched teacher-forced path (factored) x dtype x variant x h_source (8)
 * ``free``: free-running generation (the patched model picks its own token) x dtype x variant x h_source (8)
 * ``appendix``: Appendix D's bound and Appendix E's telescoping (float64, seeded tiny models, seconds)
+* ``image``: an image in the context (paper §4.3) on the tiny seeded ``Gemma3ForConditionalGeneration``
+  (``fixtures.tiny_gemma3_vision``): one image and two images x float64/float32 x step/batched, 8 tokens, per-layer
+  block errors kept, plus the unpatched control; the package's own pictures (``ctxpatch_lite/data/images``)
 
 ``--check`` recomputes a fixed subset (prompt 0, the first ``CHECK_TOKENS`` steps of each dtype x variant x
 h_source, materialized, step by step) and compares it with the committed JSON: token ids exactly, L-infinity
@@ -44,7 +47,10 @@ DTYPES = ("float32", "bfloat16")
 VARIANTS = ("naive", "stable")
 H_SOURCES = ("actual", "recorded")
 SWEEP = (("third", 1 / 3), ("two-thirds", 2 / 3), ("second-to-last", -2), ("last", "last"))
-SETS = ("main", "sweep", "controls", "batched", "free", "appendix")
+SETS = ("main", "sweep", "controls", "batched", "free", "appendix", "image")
+IMAGE_CONTEXTS = {"1img": ("Look at this: <start_of_image> The sky on Mars is", ("mars_sunset",)),
+                  "2img": ("<start_of_image> and <start_of_image>: which one is", ("mars_sunset", "robot"))}
+IMAGE_TOKENS = 8
 CHECK_TOKENS = 5
 # |measured - committed| <= abs + rel * |committed|, per step. float32: rounding of a different but equally valid
 # kernel choice stays far inside; bfloat16: one ulp of a logit of 16-32 is 0.125, so two ulps plus 5 %.
@@ -126,6 +132,26 @@ def appendix_record(seed: int = 0) -> dict:
                                                 "environment": _env()}}
 
 
+def image_records(n_tokens: int = IMAGE_TOKENS):
+    """The ``image`` set: (name, record) per configuration, on the tiny multimodal Gemma 3 (seconds in all)."""
+    from ctxpatch_lite.fixtures import tiny_gemma3_vision, tiny_vision_processor
+    from ctxpatch_lite.vision import packaged_image
+    proc = tiny_vision_processor()
+    jobs = [(dt, ctx, batched, "full") for dt in ("float64", "float32") for ctx in IMAGE_CONTEXTS
+            for batched in (False, True)] + [("float32", "1img", False, "none")]
+    models = {}
+    for dtype, ctx, batched, parts in jobs:
+        model = models.setdefault(dtype, tiny_gemma3_vision(seed=0, dtype=dtype))
+        text, names = IMAGE_CONTEXTS[ctx]
+        r = run_protocol(model, proc, text, n_tokens, PatchConfig(parts=parts), progress=False, batched=batched,
+                         images=[packaged_image(n) for n in names])
+        r["prompt_id"] = ctx
+        name = f"image-{dtype}-{ctx}-" + ("batched" if batched else "step") + ("" if parts == "full" else f"-{parts}")
+        yield name, {"name": name, "n_tokens": r["n_tokens"], "token_match": r["token_match"], "linf": r["linf"],
+                     "tvd": r["tvd"], "summary": r["summary"], "per_prompt": {ctx: r["summary"]},
+                     "config": r["config"], "runs": [r], "seconds": r["seconds"]}
+
+
 def _env():
     from ctxpatch_lite.protocol import environment
     return environment()
@@ -148,6 +174,11 @@ def main(argv=None):
     if "appendix" in args.sets:
         (out / "appendix.json").write_text(json.dumps(appendix_record(), indent=1))
         print("appendix.json written", flush=True)
+    if "image" in args.sets:
+        for name, rec in image_records():
+            (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
+            print(f"{name:<40} {format_fraction(rec['summary']['n_match'], rec['n_tokens'])}  "
+                  f"Linf max {rec['summary']['linf_max']:.2e}", flush=True)
     prompts = load_prompts()
     loaded = {}
     for j in grid(args.sets):
@@ -219,10 +250,22 @@ def check(out: Path) -> int:
         n += len(r["steps"])
         problems += found
         print(f"{name:<40} {'ok' if not found else f'{len(found)} difference(s)'}", flush=True)
+    n_image = 0
+    for name, rec in image_records():              # the image set: cheap, so every configuration in full
+        n_image += 1
+        path = out / f"{name}.json"
+        if not path.is_file():
+            problems.append(f"{name}: no committed run at {path}")
+            continue
+        ref = json.loads(path.read_text())["runs"][0]["steps"]
+        found = compare_steps(name, "float32", rec["runs"][0]["steps"], ref)
+        n += len(ref)
+        problems += found
+        print(f"{name:<40} {'ok' if not found else f'{len(found)} difference(s)'}", flush=True)
     if problems:
         print("\n".join(["data/reference no longer matches today's code:"] + problems))
         return 1
-    print(f"check passed: {n} steps of {len(list(check_jobs()))} configurations match the committed runs "
+    print(f"check passed: {n} steps of {len(list(check_jobs())) + n_image} configurations match the committed runs "
           f"(token ids exactly; L-inf/TVD within abs + rel x committed: {TOLERANCE}); largest differences "
           + ", ".join(f"{dt} L-inf {w['linf']:.2g}, TVD {w['tvd']:.2g}" for dt, w in worst.items()))
     return 0

@@ -147,9 +147,10 @@ def test_check_flags_a_changed_token_and_a_metric_outside_tolerance():
 
 @pytest.mark.real
 def test_reference_data_is_what_todays_code_produces():
-    """``reference_runs.py --check``: prompt 0 x 5 tokens of each dtype x variant x h_source, recomputed and
-    compared with the committed JSON (token ids exactly, metrics within the stated tolerance)."""
+    """``reference_runs.py --check``: prompt 0 x 5 tokens of each dtype x variant x h_source, and the 9 image runs
+    in full (8 tokens each), recomputed and compared with the committed JSON (token ids exactly, metrics within the
+    stated tolerance)."""
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "reference_runs.py"), "--check"], capture_output=True,
                          text=True, cwd=ROOT, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "check passed: 40 steps of 8 configurations" in res.stdout
+    assert "check passed: 112 steps of 17 configurations" in res.stdout

@@ -153,7 +153,7 @@ def test_numbers_in_prose_come_from_the_run_or_a_named_source(path):
     quoted = json.loads((ROOT / "notebooks" / "quoted_numbers.json").read_text()).get(path.stem, {})
     nb = load(path)
     outputs = _output_text(nb).replace(" ", "")
-    printed = lambda n: re.search(rf"(?<![\d.]){re.escape(n.rstrip('%×'))}(?![\d])", outputs)
+    printed = lambda n: re.search(rf"(?<![\w.]){re.escape(n.rstrip('%×'))}(?![\d])", outputs)
     missing = sorted(n for n in _prose_numbers(nb) if not printed(n) and n not in quoted)
     assert not missing, (f"{path.stem}: numbers in the prose that the run does not print and quoted_numbers.json "
                          f"does not source: {missing}")
@@ -167,3 +167,13 @@ def test_numbers_in_prose_come_from_the_run_or_a_named_source(path):
             assert round(float(value), decimals) == float(n), (n, source, value)
     stale = sorted(n for n in quoted if n not in _prose_numbers(nb))
     assert not stale, f"{path.stem}: quoted_numbers.json lists numbers the prose no longer has: {stale}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_figure_has_a_caption(path):
+    cells = load(path).cells
+    for i, c in enumerate(cells):
+        if c.cell_type == "code":
+            for name in re.findall(r"save_figure\([^,]+, \"(\w+)\"", c.source):
+                caps = [x for x in cells[i + 1:i + 4] if "caption" in x.metadata.get("tags", [])]
+                assert any(x.source.startswith(f"*Figure ({name.replace('_', ' ')}).") for x in caps), name

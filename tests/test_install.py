@@ -38,7 +38,9 @@ def test_wheel_carries_package_data_and_console_scripts(wheel):
         entry = next(n for n in names if n.endswith("entry_points.txt"))
         scripts = z.read(entry).decode()
         meta = z.read(next(n for n in names if n.endswith("METADATA"))).decode()
-    assert {"ctxpatch_lite/data/prompts.json", "ctxpatch_lite/py.typed", "ctxpatch_lite/claims.py"} <= names
+    assert {"ctxpatch_lite/data/prompts.json", "ctxpatch_lite/py.typed", "ctxpatch_lite/claims.py",
+            "ctxpatch_lite/data/images/mars_sunset.png", "ctxpatch_lite/data/images/robot.png",
+            "ctxpatch_lite/data/images/README.md"} <= names
     for script in ("ctxpatch-compare", "ctxpatch-verify", "ctxpatch-notebooks"):
         assert script in scripts
     assert "Provides-Extra: embedded" in meta and "Provides-Extra: notebooks" in meta
@@ -62,11 +64,13 @@ def installed(wheel, tmp_path_factory):
 def test_installed_package_is_the_wheel_and_has_its_prompts(installed):
     target, work, env = installed
     r = subprocess.run([sys.executable, "-c", "import ctxpatch_lite, ctxpatch_lite.prompts as p; "
-                        "print(ctxpatch_lite.__file__); print(len(p.load_prompts()))"],
+                        "from ctxpatch_lite.vision import packaged_image; "
+                        "print(ctxpatch_lite.__file__); print(len(p.load_prompts())); "
+                        "print(packaged_image('mars_sunset').size[0])"],
                        capture_output=True, text=True, cwd=work, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
-    path, n = r.stdout.split()
-    assert Path(path).is_relative_to(target) and n == "5"
+    path, n, width = r.stdout.split()
+    assert Path(path).is_relative_to(target) and n == "5" and width == "224"
 
 
 @pytest.mark.real

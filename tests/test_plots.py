@@ -114,3 +114,21 @@ def test_secular_summary_update_norms_draw():
     assert [t.get_text() for t in fig.axes[1].texts] == ["2/2", "1/2"]
     ax = plots.update_norms(rows).axes[0]
     assert ax.get_yscale() == "log" and len(ax.patches) == 4
+
+
+def test_image_figures():
+    from ctxpatch_lite.fixtures import tiny_gemma3_vision, tiny_vision_processor
+    from ctxpatch_lite.vision import attention_mask, encode_context, packaged_image
+    proc, model = tiny_vision_processor(), tiny_gemma3_vision()
+    imgs = [packaged_image("mars_sunset"), packaged_image("robot")]
+    ids, media = encode_context(proc, "<start_of_image> and <start_of_image> is", imgs, model)
+    fig = plots.context_images(imgs, media.pixel_values, ["a", "b"])
+    assert len(fig.axes) == 4 and fig.axes[2].get_images()[0].get_array().shape[:2] == (32, 32)
+    fig = plots.attention_mask(attention_mask(model, ids, media), media.token_type_ids, [str(i) for i in ids])
+    ax = fig.axes[0]
+    blocks = [p for p in ax.patches if p.get_edgecolor()[:3] == matplotlib.colors.to_rgb("#d62728")]
+    assert len(blocks) == 2 and all(p.get_width() == 4 for p in blocks)
+    fig = plots.per_layer({"with the image": [1.0, 2.0, 3.0], "text only": [1.0, 1.5, 2.5]}, "‖Δm‖", "t",
+                          reference={"target": 1e-10})
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and len(ax.get_lines()) == 3 and _integer_ticks(ax)
