@@ -67,8 +67,14 @@ def _browser_prereqs():
 @contextlib.contextmanager
 def _serve(cmd, work: Path, tmp_path: Path, ready: str, name: str):
     """Start a server in its own process group, wait until ``ready`` answers, yield; stop the group on exit."""
+    # JupyterLab renders only the cells near the viewport ("windowing"); the checks read outputs of the whole
+    # notebook, so the test's own user settings turn windowing off.
+    settings = tmp_path / "lab-settings"
+    tracker = settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+    tracker.parent.mkdir(parents=True, exist_ok=True)
+    tracker.write_text(json.dumps({"windowingMode": "none"}))
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
-               CTXPATCH_THREADS="1", PYTHONPATH=str(ROOT))
+               JUPYTERLAB_SETTINGS_DIR=str(settings), CTXPATCH_THREADS="1", PYTHONPATH=str(ROOT))
     log_path = tmp_path / f"{name}.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -136,7 +142,7 @@ def _panel_state(page):
         const o = outs[outs.length - 1];
         if (!o) return {text: '', img: ''};
         const img = o.querySelector('img');
-        return {text: o.innerText, img: img ? img.src.slice(-200) : ''};
+        return {text: o.textContent, img: img ? img.src.slice(-200) : ''};
     }""")
 
 
@@ -167,12 +173,15 @@ def _wait_idle(page, timeout_s):
 
 
 def _drive_widgets(page, prefix: str):
-    """Set precision to bfloat16, then the start-layer slider to 17; assert the plot and the metrics follow."""
+    """Set precision to bfloat16, then the start-layer slider to 17, then h_source to recorded; assert the plot and
+    the metrics follow. (Text is read with textContent: JupyterLab skips rendering cells outside the viewport, and the
+    panel is not the notebook's last cell.)"""
+    page.locator(".widget-dropdown:has(label:text-is('precision'))").scroll_into_view_if_needed()
     before = _panel_state(page)
     precision = page.locator(".widget-dropdown:has(label:text-is('precision')) select")
     precision.select_option("bfloat16")
     page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
-                           ".some(e => e.innerText.includes('done: bfloat16'))", timeout=300_000)
+                           ".some(e => e.textContent.includes('done: bfloat16'))", timeout=300_000)
     after_precision = _panel_state(page)
     page.locator(".widget-dropdown:has(label:text-is('precision'))").scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / f"{prefix}02_after_precision_bfloat16.png"))
@@ -187,7 +196,7 @@ def _drive_widgets(page, prefix: str):
     page.keyboard.type("17")
     page.keyboard.press("Enter")
     page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
-                           ".some(e => e.innerText.includes('start layer 17'))", timeout=300_000)
+                           ".some(e => e.textContent.includes('start layer 17'))", timeout=300_000)
     after_slider = _panel_state(page)
     page.screenshot(path=str(ARTIFACTS / f"{prefix}03_after_start_layer_17.png"))
     assert after_slider["img"] != after_precision["img"], "the plot was not redrawn after the slider"
@@ -195,7 +204,7 @@ def _drive_widgets(page, prefix: str):
 
     page.locator(".widget-toggle-buttons:has(label:text-is('h_source')) button:has-text('recorded')").click()
     page.wait_for_function("() => [...document.querySelectorAll('.widget-html')]"
-                           ".some(e => e.innerText.includes('h_source recorded, start layer 17'))", timeout=300_000)
+                           ".some(e => e.textContent.includes('h_source recorded, start layer 17'))", timeout=300_000)
     after_h = _panel_state(page)
     page.screenshot(path=str(ARTIFACTS / f"{prefix}04_after_h_source_recorded.png"))
     assert after_h["text"] != after_slider["text"], "the h_source toggle did not rerun Algorithm 1"
@@ -245,7 +254,10 @@ def test_widgets_in_real_browser(jupyterlab):
         _wait_idle(page, 300)
         page.screenshot(path=str(ARTIFACTS / "01_after_run_all.png"), full_page=False)
 
-        static = page.evaluate("() => document.body.innerText")
+        static = page.evaluate("() => document.body.textContent")   # textContent: cells outside the viewport too
+        (ARTIFACTS / "01_static_text.txt").write_text(static)
+        (ARTIFACTS / "01_errors.txt").write_text("\n---\n".join(
+            page.locator("[data-mime-type='application/vnd.jupyter.error']").all_inner_texts()))
         assert "token match" in static and "median L_inf" in static, "the static render printed its metrics"
         errors = page.locator("[data-mime-type='application/vnd.jupyter.error']").count()
         assert errors == 0, "a cell raised an error"
