@@ -123,14 +123,14 @@ CASTS = ("patches are built in the patch dtype; the RMSNorm inversion (stable) r
 def greedy_baseline(model, prompt_ids: list[int], n_tokens: int, media=None) -> list[int]:
     """The baseline's greedy tokens with the full context (KV-cached decode steps, no hooks). ``media``
     (``vision.Media``): the context's images, given with the prompt's forward."""
-    p = next(model.parameters())
-    dev = p.device
+    dev = next(model.parameters()).device
     cache, out = None, []
+    extra = media.kwargs(len(prompt_ids), dev, model.dtype) if media is not None else {}   # the prompt's forward only
     with torch.no_grad():   # the next input is the argmax tensor itself: no host transfer until the end
         step = torch.tensor([list(prompt_ids)], device=dev)
-        for k in range(n_tokens):
-            extra = media.kwargs(len(prompt_ids), dev, model.dtype) if (media is not None and k == 0) else {}
+        for _ in range(n_tokens):
             res = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1, **extra)
+            extra = {}
             cache = res.get("cache") or res.get("past_key_values")
             step = res.logits[:, -1].argmax(-1, keepdim=True)
             out.append(step)
