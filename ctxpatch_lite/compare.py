@@ -70,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (e.g. 1 for steady timings on 2 cores)")
     ap.add_argument("--json", dest="json_out", default=None, help="write the full record to this JSON file")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--no-per-layer", action="store_true", help="drop the per-layer diagnostics from the JSON "
+                                                                "(keeps a long grid's files small)")
     return ap
 
 
@@ -78,12 +80,26 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+class ArgumentError(ValueError):
+    """A bad command line (the sweep's grid validation catches it instead of exiting)."""
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line as the CLI reads it, raising ``ArgumentError`` instead of printing usage and exiting."""
+    ap = parser()
+
+    def error(message):
+        raise ArgumentError(message)
+    ap.error = error
+    return ap.parse_args(argv)
+
+
+def prepare(args: argparse.Namespace) -> tuple[PatchConfig, list[dict]]:
+    """The run's ``PatchConfig`` and prompts from parsed options; ``ValueError`` with one line for bad ones."""
     if args.dtype not in DTYPES:
-        return _fail(f"unknown dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        raise ValueError(f"unknown dtype {args.dtype!r}; choose one of: {', '.join(DTYPES)}")
     if args.tokens < 1:
-        return _fail(f"--tokens must be at least 1, got {args.tokens}")
+        raise ValueError(f"--tokens must be at least 1, got {args.tokens}")
     try:
         schedule, parts = args.schedule or "selfcorrect", args.parts or "full"
         if args.mode is not None:
@@ -109,32 +125,38 @@ def main(argv=None) -> int:
             missing = [i for i in args.image if not Path(i).is_file()]
             if missing:
                 raise ValueError(f"--image {missing[0]}: no such file")
-    except (ValueError, KeyError) as exc:
-        return _fail(str(exc).strip("'\""))
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
-    from .algorithm import Algorithm1
-    from .models import load_model
-    from .protocol import PromptError, run_protocol, summarize
+    except KeyError as exc:
+        raise ValueError(str(exc).strip("'\"")) from None
+    return config, prompts
 
-    try:
+
+def execute(args: argparse.Namespace, config: PatchConfig, prompts: list[dict], model=None, tokenizer=None) -> dict:
+    """Run every prompt and return the record ``--json`` writes (one prompt: its run; several: pooled, with
+    ``runs``). ``model``/``tokenizer`` skip loading (the sweep's workers keep a model between jobs). Errors a user
+    can fix raise ``ModelLoadError``, ``UnsupportedArchitectureError``, ``PromptError``, ``PatchError`` or
+    ``ValueError``."""
+    from .algorithm import Algorithm1
+    from .protocol import run_protocol, summarize
+
+    if model is None:
+        from .models import load_model
         model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, progress=not args.quiet)
-        Algorithm1(model, config)  # validates the architecture and the start layer against this model
-        runs = []
-        for p in prompts:
-            text = p["text"]
-            if args.image:
-                marker = getattr(getattr(tokenizer, "tokenizer", None), "boi_token", None)
-                if marker and marker not in text:
-                    text = " ".join([marker] * len(args.image)) + " " + text
-            rec = run_protocol(model, tokenizer, text, args.tokens, config, chat_template=args.chat_template,
-                               progress=not args.quiet, desc=p["id"], batched=args.batched,
-                               forcing="patched" if args.free else "baseline", images=args.image)
-            rec["prompt_id"] = p["id"]
-            runs.append(rec)
-    except (ModelLoadError, UnsupportedArchitectureError, PromptError, PatchError, ValueError) as exc:
-        return _fail(str(exc))
+    Algorithm1(model, config)  # validates the architecture and the start layer against this model
+    runs = []
+    for p in prompts:
+        text = p["text"]
+        if args.image:
+            marker = getattr(getattr(tokenizer, "tokenizer", None), "boi_token", None)
+            if marker and marker not in text:
+                text = " ".join([marker] * len(args.image)) + " " + text
+        rec = run_protocol(model, tokenizer, text, args.tokens, config, chat_template=args.chat_template,
+                           progress=not args.quiet, desc=p["id"], batched=args.batched,
+                           forcing="patched" if args.free else "baseline", images=args.image)
+        rec["prompt_id"] = p["id"]
+        if args.no_per_layer:
+            for s in rec["steps"]:
+                s["diagnostics"].pop("per_layer", None)
+        runs.append(rec)
     steps = [s for r in runs for s in r["steps"]]
     pooled = summarize(steps)
     out = runs[0] if len(runs) == 1 else {
@@ -143,12 +165,18 @@ def main(argv=None) -> int:
         "summary": pooled, "config": runs[0]["config"], "runs": runs,
     }
     out["config"] = {**out["config"], "chat_template": bool(args.chat_template), "command": sys.argv[:]}
-    print(f"model {out['config']['model']}  dtype {args.dtype}  variant {config.variant}  "
+    return out
+
+
+def print_table(out: dict, config: PatchConfig, dtype: str) -> None:
+    """The per-prompt table the CLI prints."""
+    runs = out.get("runs") or [out]
+    print(f"model {out['config']['model']}  dtype {dtype}  variant {config.variant}  "
           f"schedule {config.schedule}  parts {config.parts}  "
           f"apply {config.apply}  h_source {config.h_source}  start_layer {config.start_layer}")
     print(f"{'prompt':<12}{'tokens':>7}  {'token match':<18}{'median Linf':>12}{'max Linf':>11}{'median TVD':>12}"
           f"{'fallbacks':>10}{'hard':>6}")
-    for r in runs + ([{"prompt_id": "ALL", "summary": pooled}] if len(runs) > 1 else []):
+    for r in runs + ([{"prompt_id": "ALL", "summary": out["summary"]}] if len(runs) > 1 else []):
         s = r["summary"]
         print(f"{r['prompt_id']:<12}{s['n_tokens']:>7}  {format_fraction(s['n_match'], s['n_tokens']):<18}"
               f"{s['linf_median']:>12.3e}{s['linf_max']:>11.3e}{s['tvd_median']:>12.3e}"
@@ -157,6 +185,23 @@ def main(argv=None) -> int:
             f = r["free"]
             print(f"{'':<12}free-running: identical to the baseline's greedy text for {f['identical_prefix']} of "
                   f"{f['n_tokens']} tokens")
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config, prompts = prepare(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    from .protocol import PromptError
+    try:
+        out = execute(args, config, prompts)
+    except (ModelLoadError, UnsupportedArchitectureError, PromptError, PatchError, ValueError) as exc:
+        return _fail(str(exc))
+    print_table(out, config, args.dtype)
     if args.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
         with open(args.json_out, "w") as f:

@@ -470,3 +470,60 @@ def per_layer(series: dict, ylabel: str, title: str, log: bool = True, reference
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _sweep_axes(rows: list[dict], baseline: list[dict] | None, height_per_job: float = 0.22):
+    names = [r["name"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8.5, max(2.5, 0.8 + height_per_job * len(names))))
+    base = {r["id"]: r for r in (baseline or [])}
+    return fig, ax, names, base
+
+
+def sweep_token_match(rows: list[dict], baseline: list[dict] | None = None):
+    """A sweep's token match per compare job (fraction of steps whose patched token is the full-context one), with
+    the baseline sweep's value where the same job ran there; failed jobs are marked at 0 with a cross."""
+    fig, ax, names, base = _sweep_axes(rows, baseline)
+    y = np.arange(len(rows))
+    frac = [r["n_match"] / r["n_tokens"] if r.get("n_tokens") else 0.0 for r in rows]
+    ax.barh(y, frac, color="#4c72b0", height=0.6, label="this sweep")
+    bad = [i for i, r in enumerate(rows) if r["status"] != "ok"]
+    if bad:
+        ax.plot([0] * len(bad), bad, "x", color="black", ms=8, mew=2, label="failed / not run")
+    if base:
+        pts = [(base[r["id"]]["n_match"] / base[r["id"]]["n_tokens"], i) for i, r in enumerate(rows)
+               if r["id"] in base and base[r["id"]].get("n_tokens")]
+        if pts:
+            ax.plot(*zip(*pts), "o", mfc="none", mec="#c44e52", mew=1.5, ms=7, label="baseline")
+    ax.set_yticks(y, names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.02)
+    ax.set_xlabel("token match (fraction of steps)")
+    ax.set_title("Token match per job")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_linf(rows: list[dict], baseline: list[dict] | None = None):
+    """A sweep's L-infinity logit error per compare job: the median over steps (bar) and the maximum (tick), log
+    scale, with the baseline's maximum where the same job ran there."""
+    fig, ax, names, base = _sweep_axes(rows, baseline)
+    y = np.arange(len(rows))
+    ok = [i for i, r in enumerate(rows) if r.get("linf_median") is not None]
+    ax.barh([y[i] for i in ok], _positive([rows[i]["linf_median"] for i in ok]), color="#55a868", height=0.6,
+            label="median over steps")
+    ax.plot(_positive([rows[i]["linf_max"] for i in ok]), [y[i] for i in ok], "|", color="black", ms=10, mew=2,
+            label="max over steps")
+    if base:
+        pts = [(max(base[rows[i]["id"]]["linf_max"], 1e-12), i) for i in ok
+               if rows[i]["id"] in base and base[rows[i]["id"]].get("linf_max") is not None]
+        if pts:
+            ax.plot(*zip(*pts), "o", mfc="none", mec="#c44e52", mew=1.5, ms=7, label="baseline max")
+    ax.set_xscale("log")
+    ax.set_yticks(y, names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("L∞ distance of the patched logits from the full-context logits")
+    ax.set_title("Logit error per job")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,33 +1,31 @@
 """Regenerate, or check, data/reference/: the regression grid the claims ledger (notebook 06) stands on.
 
-    .venv/bin/python scripts/reference_runs.py [--tokens 20] [--out data/reference] [--sets main sweep ...]
+    .venv/bin/python scripts/reference_runs.py [--workers 2] [--sets main sweep ...] [--dtypes float32]
+    .venv/bin/python scripts/reference_runs.py --from runs/sweep-paper-reference   # export a finished sweep
     .venv/bin/python scripts/reference_runs.py --check          # today's code still produces the committed numbers
 
-The embedded Gemma 3 270M, 5 prompts x N tokens per configuration, one thread. One JSON per configuration (the
-record of ``python -m ctxpatch_lite.compare --json`` per prompt, per-layer diagnostics dropped to keep files small,
-with the full ``config`` the ledger selects readings by), ``appendix.json``
-(Appendix D and E on seeded models), and summary.json / summary.md with token counts. These are findings, not
-targets. Sets:
-
-* ``main``: dtype x variant x apply x h_source, step by step (16)
-* ``sweep``: start layer (a third, two thirds, second-to-last, last; relative to the depth) x dtype x variant x
-  h_source (32); start 0 is ``main``
-* ``controls``: schedules ideal / oracle / fixed and parts none / input-only / vanilla, per dtype (12)
-* ``batched``: the batched teacher-forced path (factored) x dtype x variant x h_source (8)
-* ``free``: free-running generation (the patched model picks its own token) x dtype x variant x h_source (8)
-* ``appendix``: Appendix D's bound and Appendix E's telescoping (float64, seeded tiny models, seconds)
-* ``image``: an image in the context (paper §4.3) on the tiny seeded ``Gemma3ForConditionalGeneration``
-  (``fixtures.tiny_gemma3_vision``): one image and two images x float64/float32 x step/batched, 8 tokens, per-layer
-  block errors kept, plus the unpatched control; the package's own pictures (``ctxpatch_lite/data/images``)
+The paper's protocol on the embedded Gemma 3 270M is the grid ``data/grids/paper.yaml`` (76 compare jobs, 5 prompts
+x 20 tokens each), run by the sweep (``python -m ctxpatch_lite.sweep``, local executor, ``--workers`` processes of
+``cores / workers`` threads each; the committed files were made with 2 workers x 1 thread) into ``--sweep-out``
+(a rerun resumes there), then exported: one JSON per job named as the job (the record of ``ctxpatch-compare
+--json`` with every prompt under ``runs``, per-layer diagnostics dropped, plus ``name``, ``per_prompt`` and
+``seconds``), with the full ``config`` the ledger selects readings by. Besides the grid, two sets are not runs of
+the compare CLI and are written here: ``appendix.json`` (Appendix D's bound and E's telescoping, float64, seeded tiny
+models, seconds) and ``image``: an image in the context (paper §4.3) on the tiny seeded
+``Gemma3ForConditionalGeneration`` (``fixtures.tiny_gemma3_vision``): one image and two images x float64/float32 x
+step/batched, 8 tokens, per-layer block errors kept, plus the unpatched control; the package's own pictures. Then
+summary.json / summary.md with token counts. These are findings, not targets. ``--sets`` picks groups of the grid
+(``main``, ``sweep``, ``controls`` = its groups ``schedules`` and ``parts``, ``batched``, ``free``) and the two
+extra sets.
 
 ``--check`` recomputes a fixed subset (prompt 0, the first ``CHECK_TOKENS`` steps of each dtype x variant x
-h_source, materialized, step by step) and compares it with the committed JSON: token ids exactly, L-infinity
-and TVD within ``TOLERANCE`` (stated below); exit status 1, naming every difference, when anything moved.
+h_source of the grid's ``main`` group, materialized, through the sweep's own job runner) and compares it with the
+committed JSON: token ids exactly, L-infinity and TVD within ``TOLERANCE`` (the sweep report's, stated in
+``ctxpatch_lite.sweep``); exit status 1, naming every difference, when anything moved.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -35,86 +33,47 @@ from pathlib import Path
 
 import torch
 
-from ctxpatch_lite import load_model
 from ctxpatch_lite.algorithm import PatchConfig
 from ctxpatch_lite.claims import spec_of
 from ctxpatch_lite.metrics import format_fraction
-from ctxpatch_lite.protocol import run_protocol, summarize
+from ctxpatch_lite.protocol import run_protocol
+from ctxpatch_lite.sweep import TOLERANCE, job_records, load_grid, run_job, run_sweep
 from ctxpatch_lite.views import load_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
+GRID = ROOT / "data" / "grids" / "paper.yaml"
 DTYPES = ("float32", "bfloat16")
-VARIANTS = ("naive", "stable")
-H_SOURCES = ("actual", "recorded")
-SWEEP = (("third", 1 / 3), ("two-thirds", 2 / 3), ("second-to-last", -2), ("last", "last"))
-SETS = ("main", "sweep", "controls", "batched", "free", "appendix", "image")
+GROUPS = {"main": ("main",), "sweep": ("sweep",), "controls": ("schedules", "parts"), "batched": ("batched",),
+          "free": ("free",)}
+SETS = tuple(GROUPS) + ("appendix", "image")
 IMAGE_CONTEXTS = {"1img": ("Look at this: <start_of_image> The sky on Mars is", ("mars_sunset",)),
                   "2img": ("<start_of_image> and <start_of_image>: which one is", ("mars_sunset", "robot"))}
 IMAGE_TOKENS = 8
 CHECK_TOKENS = 5
-# |measured - committed| <= abs + rel * |committed|, per step. float32: rounding of a different but equally valid
-# kernel choice stays far inside; bfloat16: one ulp of a logit of 16-32 is 0.125, so two ulps plus 5 %.
-TOLERANCE = {"float32": {"linf": (1e-4, 1e-3), "tvd": (1e-6, 1e-2)},
-             "bfloat16": {"linf": (0.25, 0.05), "tvd": (1e-3, 0.1)}}
 
 
-def job(dtype, config: PatchConfig, *, batched=False, forcing="baseline", start_tag="first") -> dict:
-    return {"dtype": dtype, "config": config, "batched": batched, "forcing": forcing, "start": start_tag}
+def reference_record(job: dict, status: dict, rec: dict) -> dict:
+    """A sweep job's compare record as a data/reference file (the pooled ``steps`` copy dropped: ``runs`` has them)."""
+    runs = rec.get("runs") or [rec]
+    return {"name": job["name"], "n_tokens": rec["n_tokens"], "token_match": rec["token_match"], "linf": rec["linf"],
+            "tvd": rec["tvd"], "summary": rec["summary"], "per_prompt": {r["prompt_id"]: r["summary"] for r in runs},
+            "config": rec["config"], "runs": runs, "seconds": status["seconds"]}
 
 
-def grid(sets=SETS):
-    """Every configuration of the chosen sets, as jobs (dtype-major, so each model is loaded once)."""
-    for dtype in DTYPES:
-        if "main" in sets:
-            for variant, apply, h in itertools.product(VARIANTS, ("materialized", "factored"), H_SOURCES):
-                yield job(dtype, PatchConfig(variant=variant, apply=apply, h_source=h))
-        if "sweep" in sets:   # Appendix C.4: lower layers context-free and unpatched, down to the last layer only
-            for (tag, start), variant, h in itertools.product(SWEEP, VARIANTS, H_SOURCES):
-                yield job(dtype, PatchConfig(variant=variant, start_layer=start, h_source=h, apply="materialized"),
-                          start_tag=tag)
-        if "controls" in sets:
-            for schedule in ("ideal", "oracle", "fixed"):
-                yield job(dtype, PatchConfig(schedule=schedule))
-            for parts in ("none", "input-only", "vanilla"):
-                yield job(dtype, PatchConfig(parts=parts))
-        if "batched" in sets:
-            for variant, h in itertools.product(VARIANTS, H_SOURCES):
-                yield job(dtype, PatchConfig(variant=variant, h_source=h, apply="factored"), batched=True)
-        if "free" in sets:
-            for variant, h in itertools.product(VARIANTS, H_SOURCES):
-                yield job(dtype, PatchConfig(variant=variant, h_source=h, apply="materialized"), forcing="patched")
-
-
-def name_of(j: dict) -> str:
-    c, dtype = j["config"], j["dtype"]
-    if c.schedule != "selfcorrect" or c.parts != "full":
-        return f"{dtype}-{c.label}"
-    if j["start"] != "first":
-        return f"{dtype}-{c.variant}-start-{j['start']}-{c.h_source}"
-    if j["batched"]:
-        return f"{dtype}-{c.variant}-batched-{c.h_source}"
-    if j["forcing"] == "patched":
-        return f"{dtype}-{c.variant}-free-{c.h_source}"
-    return f"{dtype}-{c.variant}-{c.apply}-{c.h_source}"
-
-
-def run_job(model, tok, j: dict, prompts: list, n_tokens: int, keep_per_layer=False) -> dict:
-    t0 = time.time()
-    runs = []
-    for p in prompts:
-        r = run_protocol(model, tok, p["text"], n_tokens, j["config"], progress=False, batched=j["batched"],
-                         forcing=j["forcing"])
-        r["prompt_id"] = p["id"]
-        if not keep_per_layer:
-            for s in r["steps"]:
-                s["diagnostics"].pop("per_layer", None)
-        runs.append(r)
-    steps = [s for r in runs for s in r["steps"]]
-    pooled = summarize(steps)
-    return {"name": name_of(j), "n_tokens": pooled["n_tokens"],
-            "token_match": pooled["token_match"], "linf": [s["linf"] for s in steps], "tvd": [s["tvd"] for s in steps],
-            "summary": pooled, "per_prompt": {r["prompt_id"]: r["summary"] for r in runs}, "config": runs[0]["config"],
-            "runs": runs, "seconds": round(time.time() - t0, 1)}
+def export(sweep_dir: Path, out: Path) -> list[str]:
+    """Write every finished job of a sweep of the paper grid into ``out``; returns the jobs that did not finish."""
+    missing = []
+    for r in job_records(sweep_dir):
+        if r["status"]["status"] != "ok":
+            missing.append(f"{r['job']['name']}: {r['status']['status']} {r['status'].get('error') or ''}".strip())
+            continue
+        rec = reference_record(r["job"], r["status"], r["result"])
+        (out / f"{rec['name']}.json").write_text(json.dumps(rec, indent=1))
+        s = rec["summary"]
+        print(f"{rec['name']:<40} {format_fraction(s['n_match'], s['n_tokens']):<18} Linf med {s['linf_median']:.2e} "
+              f"max {s['linf_max']:.2e}  TVD med {s['tvd_median']:.2e}  fallbacks {s['fallbacks_total']}  "
+              f"hard {s['hard_cases_total']}  ({rec['seconds']} s)", flush=True)
+    return missing
 
 
 def appendix_record(seed: int = 0) -> dict:
@@ -159,18 +118,20 @@ def _env():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--out", default=str(ROOT / "data" / "reference"))
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=2, help="sweep processes (threads each: cores / workers)")
+    ap.add_argument("--sweep-out", default=str(ROOT / "runs" / "sweep-paper-reference"),
+                    help="the sweep's folder (a rerun resumes there)")
+    ap.add_argument("--from", dest="from_sweep", default=None, help="export this finished sweep; run nothing")
     ap.add_argument("--sets", nargs="*", default=list(SETS), choices=SETS)
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
     ap.add_argument("--check", action="store_true", help="recompute a fixed subset and compare with the JSON in --out")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
     out = Path(args.out)
     if args.check:
         return check(out)
     out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
     if "appendix" in args.sets:
         (out / "appendix.json").write_text(json.dumps(appendix_record(), indent=1))
         print("appendix.json written", flush=True)
@@ -179,28 +140,23 @@ def main(argv=None):
             (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
             print(f"{name:<40} {format_fraction(rec['summary']['n_match'], rec['n_tokens'])}  "
                   f"Linf max {rec['summary']['linf_max']:.2e}", flush=True)
-    prompts = load_prompts()
-    loaded = {}
-    for j in grid(args.sets):
-        if j["dtype"] not in args.dtypes:
-            continue
-        if j["dtype"] not in loaded:
-            loaded.clear()
-            loaded[j["dtype"]] = load_model(dtype=j["dtype"], device="cpu", progress=False)
-        rec = run_job(*loaded[j["dtype"]], j, prompts, args.tokens)
-        (out / f"{rec['name']}.json").write_text(json.dumps(rec, indent=1))
-        s = rec["summary"]
-        print(f"{rec['name']:<40} {format_fraction(s['n_match'], s['n_tokens']):<18} Linf med {s['linf_median']:.2e} "
-              f"max {s['linf_max']:.2e}  TVD med {s['tvd_median']:.2e}  fallbacks {s['fallbacks_total']}  "
-              f"hard {s['hard_cases_total']}  ({rec['seconds']} s)", flush=True)
+    sweep_dir = Path(args.from_sweep or args.sweep_out)
+    if not args.from_sweep:
+        groups = {g for s_ in args.sets for g in GROUPS.get(s_, ())}
+        grid = load_grid(GRID)
+        grid["jobs"] = [j for j in grid["jobs"] if j.group in groups and j.dtype in args.dtypes]
+        if grid["jobs"]:
+            t0 = time.time()
+            res = run_sweep(grid, sweep_dir, workers=args.workers)
+            print(f"sweep: {res['ran']} jobs ran, {res['skipped']} had finished, {len(res['failed'])} failed; "
+                  f"{time.time() - t0:.0f} s wall with {args.workers} worker(s)", flush=True)
+    missing = export(sweep_dir, out) if (sweep_dir / "sweep.json").is_file() else []
     write_summary(out)
     print(f"wrote {out}")
+    if missing:
+        print("\n".join(["jobs that did not finish (rerun the same command to resume):"] + missing), file=sys.stderr)
+        return 1
     return 0
-
-
-def check_jobs():
-    for dtype, variant, h in itertools.product(DTYPES, VARIANTS, H_SOURCES):
-        yield job(dtype, PatchConfig(variant=variant, h_source=h, apply="materialized"))
 
 
 def within(measured: float, committed: float, tol: tuple) -> bool:
@@ -224,30 +180,36 @@ def compare_steps(name: str, dtype: str, got: list, ref: list) -> list[str]:
     return problems
 
 
+def check_jobs():
+    """The grid's ``main`` group, materialized: each dtype x variant x h_source once."""
+    return [j for j in load_grid(GRID)["jobs"] if j.group == "main" and j.params["apply"] == "materialized"]
+
+
 def check(out: Path) -> int:
     """Recompute prompt 0 x CHECK_TOKENS for each dtype x variant x h_source; compare with the committed runs."""
     prompt = load_prompts()[0]
     problems, n = [], 0
-    loaded, worst = {}, {dt: {"linf": 0.0, "tvd": 0.0} for dt in DTYPES}
-    torch.set_num_threads(1)   # the committed runs used one thread
-    for j in check_jobs():
-        name = name_of(j)
+    worst = {dt: {"linf": 0.0, "tvd": 0.0} for dt in DTYPES}
+    jobs = check_jobs()
+    for j in jobs:
+        name = j.name
         path = out / f"{name}.json"
         if not path.is_file():
             problems.append(f"{name}: no committed run at {path}")
             continue
         committed = json.loads(path.read_text())
         ref_run = next(r for r in committed["runs"] if r["prompt_id"] == prompt["id"])
-        if j["dtype"] not in loaded:
-            loaded.clear()
-            loaded[j["dtype"]] = load_model(dtype=j["dtype"], device="cpu", progress=False)
-        model, tok = loaded[j["dtype"]]
-        r = run_protocol(model, tok, prompt["text"], CHECK_TOKENS, j["config"], progress=False)
-        found = compare_steps(name, j["dtype"], r["steps"], ref_run["steps"][:CHECK_TOKENS])
-        for g, c in zip(r["steps"], ref_run["steps"]):
+        small = {**j.to_dict(), "params": {**j.params, "tokens": CHECK_TOKENS, "paper_prompt": prompt["id"]}}
+        outcome = run_job(small, str(out / "no-such-sweep"), threads=1)   # the committed runs used one thread
+        if outcome["status"]["status"] != "ok":
+            problems.append(f"{name}: {outcome['status']['error']}")
+            continue
+        steps = outcome["result"]["steps"]
+        found = compare_steps(name, j.dtype, steps, ref_run["steps"][:CHECK_TOKENS])
+        for g, c in zip(steps, ref_run["steps"]):
             for key in ("linf", "tvd"):
-                worst[j["dtype"]][key] = max(worst[j["dtype"]][key], abs(g[key] - c[key]))
-        n += len(r["steps"])
+                worst[j.dtype][key] = max(worst[j.dtype][key], abs(g[key] - c[key]))
+        n += len(steps)
         problems += found
         print(f"{name:<40} {'ok' if not found else f'{len(found)} difference(s)'}", flush=True)
     n_image = 0
@@ -265,7 +227,7 @@ def check(out: Path) -> int:
     if problems:
         print("\n".join(["data/reference no longer matches today's code:"] + problems))
         return 1
-    print(f"check passed: {n} steps of {len(list(check_jobs())) + n_image} configurations match the committed runs "
+    print(f"check passed: {n} steps of {len(jobs) + n_image} configurations match the committed runs "
           f"(token ids exactly; L-inf/TVD within abs + rel x committed: {TOLERANCE}); largest differences "
           + ", ".join(f"{dt} L-inf {w['linf']:.2g}, TVD {w['tvd']:.2g}" for dt, w in worst.items()))
     return 0

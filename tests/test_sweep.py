@@ -1,0 +1,338 @@
+"""Regression sweeps (``ctxpatch_lite.sweep``): grids are checked before anything runs, job ids are stable, the
+smoke grid gives the same JSON under the local and the Ray executor, a rerun skips finished jobs, a killed worker's
+job runs again, a failing job is recorded and the others finish, and the report flags regressions planted in a
+copy."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ctxpatch_lite.sweep import GridError, compare_argv, job_records, load_grid, run_sweep
+from ctxpatch_lite.sweep_report import build, changes, rows_of
+
+ROOT = Path(__file__).resolve().parent.parent
+GRIDS = ROOT / "data" / "grids"
+
+
+def write_grid(tmp_path, text, name="g.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+BASE = """
+name: t
+defaults:
+  compare: {paper_prompt: mars, tokens: 2, device: cpu}
+jobs:
+"""
+
+
+# ----------------------------------------------------------------------------------- grids, checked up front
+
+
+@pytest.mark.parametrize("body, message", [
+    ("  - kind: compare\n    vary: {dtype: [float8]}\n", "unknown dtype 'float8'"),
+    ("  - kind: compare\n    vary: {variant: [naive, clever]}\n", "unknown variant 'clever'"),
+    ("  - kind: compare\n    fixed: {threads: 2}\n", "threads is set by the sweep"),
+    ("  - kind: compare\n    fixed: {tokens: 0}\n", "--tokens must be at least 1"),
+    ("  - kind: compare\n    fixed: {colour: red}\n", "unrecognized arguments: --colour red"),
+    ("  - kind: compare\n    fixed: {paper_prompt: nosuch}\n", "nosuch"),
+    ("  - kind: compar\n", "kind 'compar'; choose one of: compare, notebook"),
+    ("  - kind: compare\n    vary: {dtype: []}\n", "vary.dtype is empty"),
+    ("  - kind: compare\n    vary: {dtype: float32}\n", "vary.dtype must be a list"),
+    ("  - kind: compare\n    fixed: {dtype: float32}\n    vary: {dtype: [bfloat16]}\n", "both fixed and varied"),
+    ("  - kind: compare\n    name: '{dtyp}'\n    vary: {dtype: [float32]}\n", "uses 'dtyp'"),
+    ("  - kind: compare\n    name: same\n    vary: {variant: [naive, stable]}\n", "two jobs are named 'same'"),
+    ("  - kind: compare\n    vary: {dtype: [float32, float32]}\n", "same run as"),
+    ("  - kind: compare\n    colour: red\n", "unknown key(s) colour"),
+    ("  - kind: notebook\n    notebook: 99_none.ipynb\n", "99_none.ipynb does not exist"),
+    ("  - kind: notebook\n    notebook: 08_image_context.ipynb\n    fixed: {dtpye: float32}\n",
+     "08_image_context.ipynb has no parameter(s) dtpye"),
+])
+def test_bad_grids_are_refused_before_anything_runs(tmp_path, body, message):
+    g = write_grid(tmp_path, BASE + body)
+    with pytest.raises(GridError) as err:
+        load_grid(g, notebooks=ROOT / "notebooks")
+    assert message in str(err.value)
+    assert "g.yaml" in str(err.value)   # names the file (and the group)
+
+
+def test_bad_grid_files(tmp_path):
+    with pytest.raises(GridError, match="no grid file"):
+        load_grid(tmp_path / "missing.yaml")
+    with pytest.raises(GridError, match="not valid YAML"):
+        load_grid(write_grid(tmp_path, "jobs: [\n"))
+    with pytest.raises(GridError, match="non-empty list 'jobs'"):
+        load_grid(write_grid(tmp_path, "name: x\n"))
+    with pytest.raises(GridError, match="unknown key"):
+        load_grid(write_grid(tmp_path, "jobz: []\njobs: [{kind: compare}]\n"))
+
+
+def test_cli_refuses_a_bad_grid_in_one_line(tmp_path):
+    g = write_grid(tmp_path, BASE + "  - kind: compare\n    vary: {dtype: [float8]}\n")
+    r = subprocess.run([sys.executable, "-m", "ctxpatch_lite.sweep", str(g), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: g.yaml, group 1") and "float8" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_job_ids_are_stable_and_derived_from_parameters(tmp_path):
+    a = load_grid(write_grid(tmp_path, BASE + "  - kind: compare\n    vary: {variant: [naive, stable]}\n", "a.yaml"))
+    b = load_grid(write_grid(tmp_path, """
+name: other
+defaults:
+  compare: {device: cpu, tokens: 2, paper_prompt: mars}
+jobs:
+  - kind: compare
+    group: renamed-group
+    name: "{variant}"
+    vary: {variant: [stable, naive]}
+""", "b.yaml"))
+    digest = lambda g: {j.params["variant"]: j.id.rsplit("-", 1)[1] for j in g["jobs"]}   # noqa: E731
+    assert digest(a) == digest(b)                      # same parameters, any order, any grid: same id
+    assert len(set(digest(a).values())) == 2
+    c = load_grid(write_grid(tmp_path, BASE.replace("tokens: 2", "tokens: 3")
+                             + "  - kind: compare\n    vary: {variant: [naive, stable]}\n", "c.yaml"))
+    assert not set(digest(c).values()) & set(digest(a).values())   # a parameter changed: a new job
+    assert [j.name for j in a["jobs"]] == ["compare-naive", "compare-stable"]
+
+
+def test_compare_argv_is_the_cli():
+    assert compare_argv({"dtype": "bfloat16", "start_layer": 0.5, "batched": True, "free": False, "image": ["a", "b"],
+                         "patch_dtype": None}) == ["--dtype", "bfloat16", "--start-layer", "0.5", "--batched",
+                                                   "--image", "a", "--image", "b"]
+    assert compare_argv({"start_layer": 1 / 3}) == ["--start-layer", "0.3333333333333333"]
+
+
+def test_the_repository_grids():
+    paper = load_grid(GRIDS / "paper.yaml")
+    names = {j.name for j in paper["jobs"]}
+    assert len(paper["jobs"]) == 76
+    committed = {p.stem for p in (ROOT / "data" / "reference").glob("*.json")
+                 if not p.stem.startswith(("image-", "summary", "appendix"))}
+    assert names == committed                          # the grid's jobs are the reference files, one each
+    smoke = load_grid(GRIDS / "smoke.yaml")
+    assert {j.kind for j in smoke["jobs"]} == {"compare", "notebook"} and len(smoke["jobs"]) == 6
+    gpu = load_grid(GRIDS / "gemma-3-1b-gpu.yaml")
+    assert all(j.gpus == 1 for j in gpu["jobs"])                # one GPU per job, notebooks included
+    assert {j.params.get("model") for j in gpu["jobs"] if j.kind == "compare"} == {"google/gemma-3-1b-it"}
+
+
+# ------------------------------------------------------------------------------- running the smoke grid
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smoke_local(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke-local")
+    res = run_sweep(load_grid(GRIDS / "smoke.yaml"), out, workers=2, executor="local", progress=False)
+    return out, res
+
+
+@pytest.fixture(scope="module")
+def smoke_ray(tmp_path_factory, ray_cluster):
+    out = tmp_path_factory.mktemp("smoke-ray")
+    res = run_sweep(load_grid(GRIDS / "smoke.yaml"), out, executor="ray", progress=False)
+    return out, res
+
+
+def _steps(out):
+    return {r["job"]["name"]: r for r in job_records(out)}
+
+
+@pytest.mark.real
+def test_smoke_grid_runs_and_writes_every_file(smoke_local):
+    out, res = smoke_local
+    assert res["failed"] == [] and res["ran"] == 6 and res["skipped"] == 0
+    for r in job_records(out):
+        d = out / "jobs" / r["job"]["id"]
+        assert r["status"]["status"] == "ok" and r["status"]["attempt"] == 1
+        assert (d / "log.txt").read_text().startswith(f"attempt 1 of job {r['job']['id']}")
+        assert r["status"]["threads"] == 1                         # 2 workers x 1 thread on 2 cores
+        if r["job"]["kind"] == "compare":
+            cfg = r["result"]["config"]
+            assert cfg["command"][:3] == ["python", "-m", "ctxpatch_lite.compare"] and cfg["dtype"] == r["job"]["params"]["dtype"]
+            assert r["result"]["summary"]["n_tokens"] == 5
+            assert "per_layer" not in r["result"]["steps"][0]["diagnostics"]    # no_per_layer: true
+        else:
+            assert (d / "notebook.ipynb").is_file() and list((d / "figures").glob("*.png"))
+            assert r["result"]["metrics"]["n_tokens"] == 8 and 0 < r["result"]["peak_rss_gb"] < 1.9
+
+
+@pytest.mark.real
+def test_local_and_ray_executors_give_the_same_json(smoke_local, smoke_ray):
+    (a, _), (b, res) = smoke_local, smoke_ray
+    assert res["failed"] == [] and res["ran"] == 6
+    ra, rb = _steps(a), _steps(b)
+    assert ra.keys() == rb.keys()
+    for name, x in ra.items():
+        y = rb[name]
+        assert y["status"]["executor"] == "ray" and x["status"]["executor"] == "local"
+        if x["job"]["kind"] == "compare":
+            for sx, sy in zip(x["result"]["steps"], y["result"]["steps"]):
+                for key in ("query_token", "baseline_token", "patched_token"):
+                    assert sx[key] == sy[key], (name, key)
+                assert sx["linf"] == pytest.approx(sy["linf"], rel=1e-3, abs=1e-6)   # 1 thread each: in fact equal
+                assert sx["tvd"] == pytest.approx(sy["tvd"], rel=1e-2, abs=1e-6)
+    rep = build(b, baseline=a, figures=False)
+    assert rep["changes"] == [] and "Nothing moved." in rep["markdown"]
+
+
+@pytest.mark.real
+def test_a_rerun_skips_finished_jobs(smoke_local):
+    out, _ = smoke_local
+    before = {r["job"]["id"]: (out / "jobs" / r["job"]["id"] / "status.json").stat().st_mtime_ns
+              for r in job_records(out)}
+    res = run_sweep(load_grid(GRIDS / "smoke.yaml"), out, workers=2, progress=False)
+    assert res == {**res, "ran": 0, "skipped": 6, "failed": []}
+    assert before == {jid: (out / "jobs" / jid / "status.json").stat().st_mtime_ns for jid in before}
+
+
+@pytest.mark.real
+def test_report_flags_a_regression_planted_in_a_copy(smoke_local, tmp_path):
+    out, _ = smoke_local
+    assert build(out, baseline=out, figures=False)["changes"] == []
+    planted = tmp_path / "planted"
+    shutil.copytree(out, planted)
+    recs = _steps(planted)
+
+    def edit(name, fn):
+        p = planted / "jobs" / recs[name]["job"]["id"] / "result.json"
+        rec = json.loads(p.read_text())
+        fn(rec)
+        p.write_text(json.dumps(rec))
+
+    def lose_a_token(rec):                             # the patched model misses the last token
+        rec["summary"]["n_match"] -= 1
+        rec["steps"][-1]["patched_token"] = -1
+
+    edit("float32-naive", lose_a_token)
+    edit("float32-stable", lambda rec: rec["summary"].update(linf_max=rec["summary"]["linf_max"] * 100))
+    edit("bfloat16-naive", lambda rec: rec["summary"].update(tvd_median=rec["summary"]["tvd_median"] * 1.02))
+    edit("08-float32", lambda rec: rec["metrics"].update(control_linf_median=rec["metrics"]["control_linf_median"] * 1.01))
+    st = planted / "jobs" / recs["bfloat16-stable"]["job"]["id"] / "status.json"
+    st.write_text(json.dumps({**json.loads(st.read_text()), "status": "failed", "error": "RuntimeError: planted"}))
+    found = changes(rows_of(planted), rows_of(out))
+    flagged = {c["name"]: c for c in found}
+    assert set(flagged) == {"float32-naive", "float32-stable", "08-float32", "bfloat16-stable"}   # TVD +2 %: inside
+    assert all(c["regression"] for c in found)
+    assert "token match 4/5, baseline 5/5" in flagged["float32-naive"]["what"]
+    assert "linf_max" in flagged["float32-stable"]["what"] and "tolerance 0.0001 + 0.001" in flagged["float32-stable"]["what"]
+    assert "status ok -> failed (RuntimeError: planted)" == flagged["bfloat16-stable"]["what"]
+    assert "control_linf_median" in flagged["08-float32"]["what"]
+    # the other way round, a job that failed in the baseline and finishes now is a change, not a regression
+    back = {c["name"]: c for c in changes(rows_of(out), rows_of(planted))}
+    assert back["bfloat16-stable"]["regression"] is False
+    # the CLI: exit 1, regressions listed first, Markdown and HTML written
+    r = subprocess.run([sys.executable, "-m", "ctxpatch_lite.sweep", "report", str(planted), "--baseline", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    md = (planted / "report.md").read_text()
+    assert md.index("REGRESSION") < md.index("## compare jobs")
+    assert md.count("| REGRESSION |") == 4
+    page = (planted / "report.html").read_text()
+    assert page.count("<tr class='reg'>") == 4 and page.count("data:image/png;base64,") == 2
+    assert "4 job(s) regressed" in r.stderr
+    ok = subprocess.run([sys.executable, "-m", "ctxpatch_lite.sweep", "report", str(out), "--baseline", str(out),
+                         "--no-figures"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "Nothing moved." in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "ctxpatch_lite.sweep", "report", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not a sweep folder" in bad.stderr
+
+
+# --------------------------------------------------------------------------- failures and killed workers
+
+FAILING = """
+name: failing
+defaults:
+  compare: {paper_prompt: mars, tokens: 3, device: cpu, no_per_layer: true}
+jobs:
+  - kind: compare
+    name: "start-{start_layer}"
+    vary: {start_layer: [0, 40]}
+"""
+
+
+@pytest.mark.real
+def test_a_failing_job_is_recorded_and_the_others_finish(tmp_path):
+    out = tmp_path / "out"
+    res = run_sweep(load_grid(write_grid(tmp_path, FAILING)), out, workers=1, progress=False)
+    assert res["ran"] == 2 and len(res["failed"]) == 1
+    recs = _steps(out)
+    assert recs["start-0"]["status"]["status"] == "ok"
+    bad = recs["start-40"]["status"]
+    assert bad["status"] == "failed" and "start_layer 40 is out of range: this model has 18 decoder layers" in bad["error"]
+    assert "Traceback" in (out / "jobs" / bad["id"] / "log.txt").read_text()
+    again = run_sweep(load_grid(write_grid(tmp_path, FAILING)), out, workers=1, progress=False)
+    assert again["skipped"] == 1 and again["ran"] == 1          # the failed job runs again, the finished one not
+
+
+SLOW = """
+name: slow
+defaults:
+  compare: {paper_prompt: mars, tokens: 20, device: cpu, no_per_layer: true}
+jobs:
+  - kind: compare
+    name: "{variant}"
+    vary: {variant: [naive, stable]}
+"""
+
+
+def _kill_first_running(out: Path, stop: threading.Event) -> dict:
+    """Wait until a job has loaded its model and is running, then SIGKILL its worker process."""
+    deadline = time.time() + 240
+    while time.time() < deadline and not stop.is_set():
+        for st_file in (out / "jobs").glob("*/status.json") if (out / "jobs").is_dir() else []:
+            try:
+                st = json.loads(st_file.read_text())
+            except ValueError:
+                continue
+            log = st_file.parent / "log.txt"
+            text = log.read_text() if log.is_file() else ""
+            if st.get("status") == "running" and ("loaded" in text or "reusing" in text):
+                time.sleep(0.5)                              # the model is ready: the job is generating tokens
+                os.kill(st["pid"], signal.SIGKILL)
+                return st
+        time.sleep(0.2)
+    raise AssertionError("no job was seen running")
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_a_killed_workers_job_runs_again(tmp_path, executor, request):
+    if executor == "ray":
+        request.getfixturevalue("ray_cluster")
+    out = tmp_path / "out"
+    grid = load_grid(write_grid(tmp_path, SLOW))
+    result, stop = {}, threading.Event()
+    t = threading.Thread(target=lambda: result.update(run_sweep(grid, out, workers=1, executor=executor,
+                                                                progress=False)))
+    t.start()
+    try:
+        killed = _kill_first_running(out, stop)
+    finally:
+        t.join(timeout=600)
+        stop.set()
+    assert result["failed"] == [] and result["ran"] == 2
+    st = _steps(out)[killed["name"]]["status"]
+    assert st["status"] == "ok" and st["attempt"] == 2 and st["pid"] != killed["pid"]
+    log = (out / "jobs" / killed["id"] / "log.txt").read_text()
+    assert log.startswith(f"attempt 1 of job {killed['id']}")        # the live log keeps the lost attempt's lines
+    assert "attempt 2 of job" in log and "its worker died" in log and log.count("token match") == 1
