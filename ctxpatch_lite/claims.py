@@ -509,8 +509,17 @@ def spec_of(config: dict) -> dict:
 
 def load_reference(reference_dir: str | Path) -> dict:
     """name -> run record (with its ``spec``) for every run JSON in ``reference_dir``: the files
-    ``scripts/reference_runs.py`` writes, or ``compare --json`` outputs (summary and appendix files skipped)."""
+    ``scripts/reference_runs.py`` writes, or ``compare --json`` outputs (summary and appendix files skipped), or
+    the finished compare jobs of a sweep's output folder (``python -m ctxpatch_lite.sweep``, e.g. of
+    ``data/grids/gemma-3-1b-gpu.yaml``)."""
     out = {}
+    if (Path(reference_dir) / "sweep.json").is_file():
+        from .sweep import job_records
+        for r in job_records(reference_dir):
+            rec = r["result"]
+            if r["job"]["kind"] == "compare" and rec and "config" in rec and "summary" in rec:
+                out[r["job"]["name"]] = {**rec, "name": r["job"]["name"], "spec": spec_of(rec["config"])}
+        return out
     for f in sorted(Path(reference_dir).glob("*.json")):
         if f.name in ("summary.json", "appendix.json"):
             continue

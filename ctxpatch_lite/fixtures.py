@@ -126,27 +126,33 @@ GEMMA3_1B = dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, nu
                  pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
 
 
-def gemma3_1b_shaped(seed: int = 0, progress: bool = True):
+def gemma3_1b_shaped(seed: int = 0, progress: bool = True, tokenizer: str = "embedded"):
     """A local folder with a random-weight ``Gemma3ForCausalLM`` of google/gemma-3-1b-it's shape (26 layers,
     hidden 1152, intermediate 6912, 4 heads / 1 KV head, head_dim 256, sliding window 512 on 5 of every 6 layers,
     vocab 262,144), in bfloat16 (2 GB), with the embedded Gemma 3 tokenizer saved beside it: the full-size
     rehearsal of the GPU run, on any machine. Built once (about a minute) and cached like the embedded model.
 
     Weights: transformers' own initialisation, except the RMSNorm scales, drawn from normal(0, 0.5) (Gemma scales
-    by ``1 + w``; the default of 0 would make every scale patch degenerate). Seeded."""
+    by ``1 + w``; the default of 0 would make every scale patch degenerate). Seeded. ``tokenizer="char"`` saves
+    the character-level ``tiny_tokenizer`` instead (a machine without the embedded model, e.g. a GPU box with no
+    network: text becomes one token per character, ids far below the vocabulary)."""
+    if tokenizer not in ("embedded", "char"):
+        raise ValueError(f"tokenizer {tokenizer!r}: choose embedded or char")
     import transformers
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from .models import _atomic_folder, _ensure, cache_root, ensure_embedded
 
-    folder = cache_root() / f"gemma-3-1b-shaped-random-seed{seed}-transformers-{transformers.__version__}"
+    folder = cache_root() / (f"gemma-3-1b-shaped-random-seed{seed}-transformers-{transformers.__version__}"
+                             + ("-char" if tokenizer == "char" else ""))
 
     def build():
         from transformers import AutoTokenizer
 
         if progress:
             print(f"[ctxpatch_lite] building the Gemma-3-1B-shaped rehearsal model once into {folder}", flush=True)
-        with _atomic_folder(folder, "bfloat16") as tmp:
+        source = f"random weights, seed {seed}" if tokenizer == "char" else None   # needs no embedded package
+        with _atomic_folder(folder, "bfloat16", source=source) as tmp:
             torch.manual_seed(seed)
             old = torch.get_default_dtype()
             torch.set_default_dtype(torch.bfloat16)       # initialise in bfloat16: 2 GB, not 4 GB, of memory
@@ -161,7 +167,10 @@ def gemma3_1b_shaped(seed: int = 0, progress: bool = True):
                         p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             model.config.dtype = torch.bfloat16
             model.save_pretrained(tmp)
-            AutoTokenizer.from_pretrained(ensure_embedded(progress=progress)).save_pretrained(tmp)
+            if tokenizer == "char":
+                tiny_tokenizer().save_pretrained(tmp)
+            else:
+                AutoTokenizer.from_pretrained(ensure_embedded(progress=progress)).save_pretrained(tmp)
             del model
 
     _ensure(folder, build, "Gemma-3-1B-shaped rehearsal model", progress)

@@ -157,10 +157,11 @@ def check_cache(folder: Path, full: bool = False) -> str | None:
 
 
 @contextlib.contextmanager
-def _atomic_folder(target: Path, stored_dtype: str):
+def _atomic_folder(target: Path, stored_dtype: str, source: str | None = None):
     """Yield a temporary folder next to ``target``; when the block completes, write the manifest and rename the
-    folder to ``target`` (replacing a damaged one). A failed build leaves nothing behind."""
-    EXPECTED_SHA256 = _embedded_package().EXPECTED_SHA256
+    folder to ``target`` (replacing a damaged one). A failed build leaves nothing behind. ``source``: what the
+    manifest names as the origin (default: the embedded GGUF's sha256)."""
+    EXPECTED_SHA256 = source if source is not None else _embedded_package().EXPECTED_SHA256
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"

@@ -475,7 +475,7 @@ def per_layer(series: dict, ylabel: str, title: str, log: bool = True, reference
 def _sweep_axes(rows: list[dict], baseline: list[dict] | None, height_per_job: float = 0.22):
     names = [r["name"] for r in rows]
     fig, ax = plt.subplots(figsize=(8.5, max(2.5, 0.8 + height_per_job * len(names))))
-    base = {r["id"]: r for r in (baseline or [])}
+    base = {r.get("key", r["id"]): r for r in (baseline or [])}   # the same parameters, whatever the name
     return fig, ax, names, base
 
 
@@ -490,8 +490,8 @@ def sweep_token_match(rows: list[dict], baseline: list[dict] | None = None):
     if bad:
         ax.plot([0] * len(bad), bad, "x", color="black", ms=8, mew=2, label="failed / not run")
     if base:
-        pts = [(base[r["id"]]["n_match"] / base[r["id"]]["n_tokens"], i) for i, r in enumerate(rows)
-               if r["id"] in base and base[r["id"]].get("n_tokens")]
+        pts = [(base[r["key"]]["n_match"] / base[r["key"]]["n_tokens"], i) for i, r in enumerate(rows)
+               if r["key"] in base and base[r["key"]].get("n_tokens")]
         if pts:
             ax.plot(*zip(*pts), "o", mfc="none", mec="#c44e52", mew=1.5, ms=7, label="baseline")
     ax.set_yticks(y, names, fontsize=7)
@@ -515,8 +515,8 @@ def sweep_linf(rows: list[dict], baseline: list[dict] | None = None):
     ax.plot(_positive([rows[i]["linf_max"] for i in ok]), [y[i] for i in ok], "|", color="black", ms=10, mew=2,
             label="max over steps")
     if base:
-        pts = [(max(base[rows[i]["id"]]["linf_max"], 1e-12), i) for i in ok
-               if rows[i]["id"] in base and base[rows[i]["id"]].get("linf_max") is not None]
+        pts = [(max(base[rows[i]["key"]]["linf_max"], 1e-12), i) for i in ok
+               if rows[i]["key"] in base and base[rows[i]["key"]].get("linf_max") is not None]
         if pts:
             ax.plot(*zip(*pts), "o", mfc="none", mec="#c44e52", mew=1.5, ms=7, label="baseline max")
     ax.set_xscale("log")

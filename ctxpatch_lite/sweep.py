@@ -58,19 +58,38 @@ class GridError(ValueError):
     """A grid file that cannot be run; the message names the group, the job and what to change."""
 
 
+PATH_OPTIONS = ("prompt_file", "image")   # compare options naming files: absolute before they go to a worker
+
+
 @dataclass
 class Job:
-    id: str
+    id: str                              # readable: the name, then the key
     name: str
     group: str
     kind: str
     params: dict
+    key: str = ""                        # a hash of the kind, notebook and parameters alone: what identifies the run
     notebook: str | None = None          # notebook jobs: the file, absolute
     resources: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "name": self.name, "group": self.group, "kind": self.kind, "params": self.params,
-                "notebook": self.notebook, "resources": self.resources}
+        return {"id": self.id, "key": self.key, "name": self.name, "group": self.group, "kind": self.kind,
+                "params": self.params, "notebook": self.notebook, "resources": self.resources}
+
+    def for_worker(self) -> dict:
+        """``to_dict`` with file options made absolute (a Ray worker's working folder is not the driver's); the
+        id, which the parameters as written determine, stays the same."""
+        d = self.to_dict()
+        params = dict(d["params"])
+        for k in PATH_OPTIONS:
+            v = params.get(k)
+            if isinstance(v, list):
+                params[k] = [str(Path(x).resolve()) for x in v]
+            elif v is not None:
+                params[k] = str(Path(v).resolve())
+        if isinstance(params.get("model"), str) and Path(params["model"]).exists():
+            params["model"] = str(Path(params["model"]).resolve())
+        return {**d, "params": params}
 
     @property
     def dtype(self) -> str:
@@ -82,8 +101,14 @@ class Job:
 
     @property
     def gpus(self) -> int:
-        """GPUs the job asks for: the group's ``resources: {gpus: N}``, else one when it runs on CUDA."""
-        return int(self.resources.get("gpus", 1 if self.device.startswith("cuda") else 0))
+        """GPUs the job asks for: the group's ``resources: {gpus: N}``, else one when it runs on CUDA (``device:
+        cuda``, or ``auto`` on a driver that sees a GPU: ``auto`` picks CUDA when there is one)."""
+        if "gpus" in self.resources:
+            return int(self.resources["gpus"])
+        if self.device == "auto":
+            import torch
+            return int(torch.cuda.is_available())
+        return int(self.device.startswith("cuda"))
 
     def command(self) -> str:
         """The equivalent command line, for a person to rerun this one job by hand."""
@@ -113,13 +138,23 @@ def load_grid(path, notebooks=None) -> dict:
     if unknown:
         raise GridError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; a grid has {', '.join(sorted(GRID_KEYS))}")
     defaults = raw.get("defaults") or {}
-    if not isinstance(defaults, dict) or set(defaults) - set(KINDS):
+    if (not isinstance(defaults, dict) or set(defaults) - set(KINDS)
+            or not all(isinstance(v, dict) or v is None for v in defaults.values())):
         raise GridError(f"{path}: 'defaults' maps a kind ({', '.join(KINDS)}) to the options every job of it shares")
     nb_dir = Path(notebooks) if notebooks else (path.parent / raw.get("notebooks", "../../notebooks"))
     tolerance = {dt: {k: tuple(v) for k, v in tol.items()} for dt, tol in TOLERANCE.items()}
-    for dt, tol in (raw.get("tolerance") or {}).items():
+    extra = raw.get("tolerance") or {}
+    for dt, tol in (extra.items() if isinstance(extra, dict) else [(None, None)]):
+        if (not isinstance(tol, dict) or set(tol) - {"linf", "tvd"}
+                or not all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)
+                           for v in tol.values())):
+            raise GridError(f"{path}: 'tolerance' maps a dtype to {{linf: [abs, rel], tvd: [abs, rel]}} (new minus "
+                            f"baseline may grow by abs + rel x baseline), got {extra!r}")
+        if dt not in tolerance and set(tol) != {"linf", "tvd"}:
+            raise GridError(f"{path}: tolerance.{dt} is a new dtype: give both linf and tvd")
         tolerance.setdefault(dt, {}).update({k: tuple(v) for k, v in tol.items()})
-    jobs, seen = [], {}
+    _check_resources(raw.get("resources"), f"{path.name}: resources")
+    jobs, seen = [], {}   # seen: key -> name
     for gi, g in enumerate(raw["jobs"]):
         where = f"{path.name}, group {gi + 1}" + (f" ({g.get('group')})" if isinstance(g, dict) and g.get("group") else "")
         if not isinstance(g, dict):
@@ -132,9 +167,9 @@ def load_grid(path, notebooks=None) -> dict:
         if kind not in KINDS:
             raise GridError(f"{where}: kind {kind!r}; choose one of: {', '.join(KINDS)}")
         for job in _expand(g, kind, defaults.get(kind) or {}, where, nb_dir, raw.get("resources") or {}):
-            if job.id in seen:
-                raise GridError(f"{where}: job {job.name} is the same run as {seen[job.id]} (same parameters)")
-            seen[job.id] = job.name
+            if job.key in seen:
+                raise GridError(f"{where}: job {job.name} is the same run as {seen[job.key]} (same parameters)")
+            seen[job.key] = job.name
             jobs.append(job)
     names = {}
     for j in jobs:
@@ -166,6 +201,7 @@ def _expand(g: dict, kind: str, defaults: dict, where: str, nb_dir: Path, grid_r
         if key in fixed:
             raise GridError(f"{where}: {key} is both fixed and varied; keep one")
     group = str(g.get("group") or kind)
+    _check_resources(g.get("resources"), f"{where}: resources")
     template = g.get("name") or group + "".join(f"-{{{k}}}" for k, _ in axes)
     notebook = None
     if kind == "notebook":
@@ -201,8 +237,16 @@ def _expand(g: dict, kind: str, defaults: dict, where: str, nb_dir: Path, grid_r
                          sort_keys=True, default=str)
         digest = hashlib.sha256(key.encode()).hexdigest()[:8]
         slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")[:80]
-        yield Job(id=f"{slug}-{digest}", name=name, group=group, kind=kind, params=params, notebook=notebook,
-                  resources=res)
+        yield Job(id=f"{slug}-{digest}", key=digest, name=name, group=group, kind=kind, params=params,
+                  notebook=notebook, resources=res)
+
+
+def _check_resources(res, where: str):
+    if res is None:
+        return
+    if (not isinstance(res, dict) or set(res) - {"cpus", "gpus"}
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in res.values())):
+        raise GridError(f"{where} is {{cpus: N, gpus: G}} (numbers, per job), got {res!r}")
 
 
 def _label(v) -> str:
@@ -277,8 +321,9 @@ def _compare_job(job: dict, workdir: Path) -> tuple[dict, dict]:
     out["config"]["command"] = shlex.split(Job(**{k: job[k] for k in ("id", "name", "group", "kind", "params")})
                                            .command())
     s = out["summary"]
-    print(f"{job['name']}: token match {s['n_match']}/{s['n_tokens']}, L-inf median {s['linf_median']:.3e} max "
-          f"{s['linf_max']:.3e}, TVD median {s['tvd_median']:.3e}")
+    nan = float("nan")
+    print(f"{job['name']}: token match {s['n_match']}/{s['n_tokens']}, L-inf median {s.get('linf_median', nan):.3e} "
+          f"max {s.get('linf_max', nan):.3e}, TVD median {s.get('tvd_median', nan):.3e}")
     return out, {}
 
 
@@ -362,7 +407,9 @@ def run_job(job: dict, out: str, threads: int, executor: str = "local") -> dict:
     started = time.time()
     status = {"id": job["id"], "name": job["name"], "group": job["group"], "kind": job["kind"], "attempt": attempt,
               "host": socket.gethostname(), "pid": os.getpid(), "threads": torch.get_num_threads(),
-              "executor": executor, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started))}
+              "executor": executor, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+              "started_unix": started,
+              "versions": _versions(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     log = _Log()
     if visible:
         _write_json(status_file, {**status, "status": "running"})
@@ -385,7 +432,7 @@ def run_job(job: dict, out: str, threads: int, executor: str = "local") -> dict:
                     else:
                         result, files = _notebook_job(job, Path(tmp), status["threads"])
                     status.update(status="ok", error=None)
-                except Exception as exc:  # noqa: BLE001 - a job's error is its status, the others go on
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 - a job's error is its status
                     traceback.print_exc(file=log)
                     status.update(status="failed", error=f"{type(exc).__name__}: {exc}")
     status["seconds"] = round(time.time() - started, 2)
@@ -393,6 +440,16 @@ def run_job(job: dict, out: str, threads: int, executor: str = "local") -> dict:
     if log.file is not None:
         log.file.close()
     return {"status": status, "result": result, "files": files, "log": log.getvalue(), "log_written": visible}
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+    try:
+        from . import __version__
+    except ImportError:  # pragma: no cover
+        __version__ = None
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "ctxpatch_lite": __version__}
 
 
 class _Log(io.StringIO):
@@ -423,13 +480,17 @@ def store(out: Path, job: Job, outcome: dict) -> dict:
     return outcome["status"]
 
 
-def _died(job: Job, out: Path, attempts: int, executor: str, detail: str) -> dict:
+def _failed(job: Job, out: Path, executor: str, error: str, attempt: int | None = None) -> dict:
+    """The outcome of a job that could not report for itself (its worker died, or its task never ran)."""
     prev = read_json(_status_path(out, job.id)) or {}
     return {"status": {"id": job.id, "name": job.name, "group": job.group, "kind": job.kind, "status": "failed",
-                       "attempt": prev.get("attempt", attempts), "executor": executor, "seconds": None,
-                       "error": f"the worker process died {attempts} time(s) running this job ({detail}); "
-                                f"see log.txt, and check memory"}, "result": None, "files": {},
-            "log": f"worker died: {detail}\n"}
+                       "attempt": prev.get("attempt", attempt), "executor": executor, "seconds": None,
+                       "error": error}, "result": None, "files": {}, "log": f"{error}\n"}
+
+
+def _died(job: Job, out: Path, attempts: int, executor: str, detail: str) -> dict:
+    return _failed(job, out, executor, f"the worker process died {attempts} time(s) running this job ({detail}); "
+                                       f"see log.txt, and check memory", attempts)
 
 
 # ---------------------------------------------------------------------------------------------- executors
@@ -454,6 +515,9 @@ def _init_worker(threads: int, gpu_counter, n_gpus: int):
 
 
 def _run_local(jobs, out: Path, workers: int, threads: int, max_attempts: int, done):
+    """A process pool. When a worker dies the pool is gone (``BrokenProcessPool``) and every job it was running
+    (those that left a ``running`` status) counts an attempt; those jobs then run one at a time, so that a job
+    that kills its worker again is charged alone, before the rest go on at full width."""
     import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
@@ -465,35 +529,52 @@ def _run_local(jobs, out: Path, workers: int, threads: int, max_attempts: int, d
         if not n_gpus:
             raise GridError("the grid asks for CUDA but this machine has no CUDA GPU; set device: cpu or run on a GPU")
         workers = min(workers, n_gpus)   # one GPU per job
-    pending, died = list(jobs), {}
-    while pending:
+    queue, suspects, empty_breaks = list(jobs), [], 0
+
+    def finish(j, outcome):
+        done(j, outcome)
+        queue.remove(j)
+
+    while queue:
+        batch, width = (suspects, 1) if suspects else (list(queue), workers)
+        suspects = []
         counter = ctx.Value("i", 0)
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+        broken_jobs, broken, round_start = [], None, time.time()
+        with ProcessPoolExecutor(width, mp_context=ctx, initializer=_init_worker,
                                  initargs=(threads, counter, n_gpus)) as pool:
-            futures = {pool.submit(run_job, j.to_dict(), str(out), threads, "local"): j for j in pending}
-            pending, broken = [], False
+            futures = {pool.submit(run_job, j.for_worker(), str(out), threads, "local"): j for j in batch}
             remaining = set(futures)
-            while remaining:
-                finished, remaining = wait(remaining, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    j = futures[f]
-                    try:
-                        done(j, f.result())
-                    except BrokenProcessPool:
-                        broken = True
-                        pending.append(j)
-        if broken:   # a worker died: the pool is gone; the jobs it was running left a 'running' status
-            retry = []
-            for j in pending:
-                st = read_json(_status_path(out, j.id))
-                if st and st.get("status") == "running":
-                    died[j.id] = died.get(j.id, 0) + 1
-                    if st.get("attempt", 1) >= max_attempts:
-                        done(j, _died(j, out, st.get("attempt", 1), "local", f"process {st.get('pid')} ended "
-                                                                             f"without a result"))
-                        continue
-                retry.append(j)
-            pending = retry
+            try:
+                while remaining:
+                    finished, remaining = wait(remaining, return_when=FIRST_COMPLETED)
+                    for f in finished:
+                        try:
+                            outcome = f.result()
+                        except BrokenProcessPool as exc:
+                            broken = exc
+                            broken_jobs.append(futures[f])
+                        else:
+                            finish(futures[f], outcome)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+        if broken is None:
+            continue
+        died = []                        # the pool broke: which jobs were running in it (not queued behind)?
+        for j in broken_jobs:
+            st = read_json(_status_path(out, j.id))
+            if st and st.get("status") == "running" and st.get("started_unix", 0) >= round_start:
+                attempt = st.get("attempt", 1)
+                if attempt >= max_attempts:
+                    finish(j, _died(j, out, attempt, "local", f"process {st.get('pid')} ended without a result"))
+                else:
+                    died.append(j)
+        empty_breaks = 0 if died else empty_breaks + 1
+        if empty_breaks >= max_attempts:  # the pool breaks before any job starts: no worker can start here
+            for j in [j for j in broken_jobs if j in queue]:
+                finish(j, _died(j, out, 0, "local", f"the process pool broke {empty_breaks} times before any job "
+                                                    f"started ({broken!r}); a worker process cannot start here"))
+        suspects = [j for j in died if j in queue]
 
 
 def _ray(address: str | None):
@@ -510,22 +591,35 @@ def _ray(address: str | None):
 
 
 def _run_ray(jobs, out: Path, threads: int, max_attempts: int, address: str | None, done):
+    """Each job a Ray task with its CPUs and GPUs; Ray schedules them and reruns a task whose worker died (up to
+    ``max_attempts`` runs in all). A job's own errors come back as its status; what Ray raises is either a task
+    that could not run (its cause reported as it is) or a worker that died every time."""
     ray = _ray(address)
     task = ray.remote(run_job)
     refs = {}
     for j in jobs:
         cpus = float(j.resources.get("cpus", threads))
         opts = dict(num_cpus=cpus, num_gpus=j.gpus, max_retries=max_attempts - 1, retry_exceptions=False)
-        refs[task.options(**opts).remote(j.to_dict(), str(out), max(1, int(cpus)), "ray")] = j
+        refs[task.options(**opts).remote(j.for_worker(), str(out), max(1, int(cpus)), "ray")] = j
     remaining = list(refs)
-    while remaining:
-        ready, remaining = ray.wait(remaining, num_returns=1)
-        for ref in ready:
-            j = refs[ref]
-            try:
-                done(j, ray.get(ref))
-            except ray.exceptions.RayError as exc:   # the task's worker died max_attempts times
-                done(j, _died(j, out, max_attempts, "ray", f"{type(exc).__name__}: {str(exc).splitlines()[0]}"))
+    try:
+        while remaining:
+            ready, remaining = ray.wait(remaining, num_returns=1)
+            for ref in ready:
+                j = refs[ref]
+                try:
+                    done(j, ray.get(ref))
+                except ray.exceptions.RayTaskError as exc:     # raised outside the job's own try (e.g. an import)
+                    cause = getattr(exc, "cause", None) or exc
+                    first = (f"{type(cause).__name__}: {cause}".splitlines() or ["?"])[0]
+                    done(j, _failed(j, out, "ray", f"the Ray task could not run the job: {first}", 1))
+                except ray.exceptions.RayError as exc:          # worker crashed / out of memory / node died
+                    first = (str(exc).splitlines() or [""])[0]
+                    done(j, _died(j, out, max_attempts, "ray", f"{type(exc).__name__}: {first}"))
+    except BaseException:
+        for ref in remaining:
+            ray.cancel(ref, force=True)
+        raise
 
 
 def run_sweep(grid: dict, out, *, workers: int = 1, executor: str = "local", address: str | None = None,
@@ -537,7 +631,7 @@ def run_sweep(grid: dict, out, *, workers: int = 1, executor: str = "local", add
         raise GridError(f"unknown executor {executor!r}; choose local or ray")
     if workers < 1 or max_attempts < 1:
         raise GridError("--workers and --max-attempts must be at least 1")
-    out = Path(out)
+    out = Path(out).resolve()     # workers (Ray's especially) do not share the driver's working folder
     out.mkdir(parents=True, exist_ok=True)
     cores = cpu_count()
     if threads is None:
@@ -546,6 +640,8 @@ def run_sweep(grid: dict, out, *, workers: int = 1, executor: str = "local", add
         print(f"note: {workers} workers x {threads} threads is more than this machine's {cores} cores; torch slows "
               f"down when oversubscribed", file=sys.stderr)
     jobs = [j for j in grid["jobs"] if not only or only in j.name]
+    if not jobs:
+        raise GridError(f"no job of grid {grid['name']} has {only!r} in its name; --dry-run lists them")
     from .protocol import environment
     manifest = {"grid": {k: v for k, v in grid.items() if k != "jobs"}, "jobs": [j.to_dict() for j in grid["jobs"]],
                 "executor": executor, "workers": workers if executor == "local" else None, "threads": threads,
@@ -578,8 +674,11 @@ def run_sweep(grid: dict, out, *, workers: int = 1, executor: str = "local", add
             failed.append(st)
             bar.write(f"failed: {job.name} ({st['error']}); log: {out / 'jobs' / job.id / 'log.txt'}")
         bar.update(1)
-        bar.set_postfix(running=min(len(todo) - bar.n, workers if executor == "local" else len(todo) - bar.n),
-                        failed=counts["failed"])
+        left = len(todo) - bar.n
+        if executor == "local":
+            bar.set_postfix(running=min(left, workers), failed=counts["failed"])
+        else:   # Ray decides how many run at once
+            bar.set_postfix(queued_or_running=left, failed=counts["failed"])
 
     try:
         if todo and executor == "local":
@@ -607,7 +706,10 @@ def job_records(out) -> list[dict]:
         st = read_json(d / "status.json") or {"status": "not run"}
         if st.get("status") == "running":
             st = {**st, "status": "not finished"}
-        rows.append({"job": j, "status": st, "result": read_json(d / "result.json") if st["status"] == "ok" else None})
+        result = read_json(d / "result.json") if st["status"] == "ok" else None
+        if st["status"] == "ok" and result is None:
+            st = {**st, "status": "incomplete", "error": "status ok but result.json is missing or unreadable"}
+        rows.append({"job": j, "status": st, "result": result})
     return rows
 
 

@@ -16,6 +16,7 @@ import argparse
 import base64
 import html
 import io
+import json
 import math
 import sys
 from pathlib import Path
@@ -23,27 +24,38 @@ from pathlib import Path
 from .sweep import NOTEBOOK_TOLERANCE, TOLERANCE, GridError, job_records, read_json
 
 
+NAN = float("nan")
+
+
+def _base_row(rec: dict) -> dict:
+    j, st = rec["job"], rec["status"]
+    return {"id": j["id"], "key": j.get("key") or j["id"], "name": j["name"], "group": j["group"],
+            "status": st["status"], "seconds": st.get("seconds"), "attempt": st.get("attempt"),
+            "error": st.get("error"), "versions": st.get("versions")}
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def compare_row(rec: dict) -> dict:
-    j, st, res = rec["job"], rec["status"], rec["result"]
-    row = {"id": j["id"], "name": j["name"], "group": j["group"], "status": st["status"],
-           "dtype": str(j["params"].get("dtype", "float32")), "seconds": st.get("seconds"),
-           "attempt": st.get("attempt"), "error": st.get("error")}
+    row = {**_base_row(rec), "dtype": str(rec["job"]["params"].get("dtype", "float32"))}
+    res = rec["result"]
     if res:
-        s = res["summary"]
+        s = res.get("summary", {})
         runs = res.get("runs") or [res]
-        row.update(n_match=s["n_match"], n_tokens=s["n_tokens"], linf_median=s["linf_median"], linf_max=s["linf_max"],
-                   tvd_median=s["tvd_median"], tvd_max=s["tvd_max"], fallbacks=s.get("fallbacks_total", 0),
-                   hard_cases=s.get("hard_cases_total", 0),
-                   baseline_tokens=[st_["baseline_token"] for r in runs for st_ in r["steps"]],
-                   patched_tokens=[st_["patched_token"] for r in runs for st_ in r["steps"]])
+        steps = [st_ for r in runs for st_ in r.get("steps", [])]
+        row.update(n_match=s.get("n_match", 0), n_tokens=s.get("n_tokens", 0),
+                   **{k: s.get(k, NAN) for k in ("linf_median", "linf_max", "tvd_median", "tvd_max")},
+                   fallbacks=s.get("fallbacks_total", 0), hard_cases=s.get("hard_cases_total", 0),
+                   nonfinite=sum(not (_finite(x.get("linf")) and _finite(x.get("tvd"))) for x in steps),
+                   baseline_tokens=[x.get("baseline_token") for x in steps])
     return row
 
 
 def notebook_row(rec: dict) -> dict:
     from .run_notebooks import _flatten
-    j, st, res = rec["job"], rec["status"], rec["result"]
-    row = {"id": j["id"], "name": j["name"], "group": j["group"], "status": st["status"],
-           "seconds": st.get("seconds"), "attempt": st.get("attempt"), "error": st.get("error")}
+    row, res = _base_row(rec), rec["result"]
     if res:
         row.update(peak_rss_gb=res.get("peak_rss_gb"), metrics=_flatten(res.get("metrics")))
     return row
@@ -56,22 +68,21 @@ def rows_of(folder) -> dict:
 
 
 def _grew(new: float, old: float, tol: tuple) -> bool:
-    if math.isnan(old) and math.isnan(new):
-        return False
+    if math.isnan(new) or math.isnan(old):       # every step non-finite on one side: counted apart (nonfinite)
+        return math.isnan(new) and not math.isnan(old)
     a, r = tol
-    return new - old > a + r * abs(old) or (math.isnan(new) and not math.isnan(old))
+    return new - old > a + r * abs(old)
 
 
 def changes(rows: dict, base: dict, tolerance: dict | None = None, nb_tol: dict | None = None) -> list[dict]:
     """What moved between this sweep's rows and the baseline's: ``[{"name", "kind", "regression": bool, "what"}]``,
     regressions first."""
-    from .run_notebooks import compare_metrics
     tolerance = tolerance or TOLERANCE
     nb_tol = nb_tol or NOTEBOOK_TOLERANCE
     found = []
     for kind in ("compare", "notebook"):
-        now = {r["id"]: r for r in rows[kind]}
-        before = {r["id"]: r for r in base[kind]}
+        now = {r["key"]: r for r in rows[kind]}        # matched by parameters, whatever the job is called
+        before = {r["key"]: r for r in base[kind]}
         for jid, old in before.items():
             new = now.get(jid)
             if new is None:
@@ -93,6 +104,8 @@ def changes(rows: dict, base: dict, tolerance: dict | None = None, nb_tol: dict 
                 elif new["n_match"] < old["n_match"]:
                     what.append(f"token match {new['n_match']}/{new['n_tokens']}, baseline {old['n_match']}/"
                                 f"{old['n_tokens']}")
+                if new["nonfinite"] > old["nonfinite"]:
+                    what.append(f"{new['nonfinite']} steps with a non-finite L∞ or TVD, baseline {old['nonfinite']}")
                 if new["baseline_tokens"] != old["baseline_tokens"] and new["n_tokens"] == old["n_tokens"]:
                     k = next(i for i, (a, b) in enumerate(zip(new["baseline_tokens"], old["baseline_tokens"]))
                              if a != b)
@@ -103,9 +116,14 @@ def changes(rows: dict, base: dict, tolerance: dict | None = None, nb_tol: dict 
                         what.append(f"{key} {new[key]:.3g}, baseline {old[key]:.3g} (tolerance {tol[tkey][0]:g} + "
                                     f"{tol[tkey][1]:g} x baseline)")
             else:
-                problems = compare_metrics({"nb": {"metrics": new.get("metrics", {})}},
-                                           {"nb": {"metrics": old.get("metrics", {})}}, nb_tol["rtol"], nb_tol["atol"])
-                what += [p.split(": ", 1)[1] for p in problems]
+                a, b = new.get("metrics") or {}, old.get("metrics") or {}
+                for k, ref in b.items():
+                    if k not in a:
+                        what.append(f"metric {k} missing")
+                    elif math.isnan(a[k]) != math.isnan(ref):
+                        what.append(f"{k} = {a[k]:.6g}, baseline {ref:.6g}")
+                    elif not math.isnan(ref) and abs(a[k] - ref) > nb_tol["atol"] + nb_tol["rtol"] * abs(ref):
+                        what.append(f"{k} = {a[k]:.6g}, baseline {ref:.6g}")
             if what:
                 found.append({"name": new["name"], "kind": kind, "regression": True, "what": "; ".join(what)})
         for jid, new in now.items():
@@ -123,7 +141,9 @@ def _fmt(v, spec=".2e"):
 
 
 def tables(rows: dict) -> dict:
-    """Header and body rows per kind (strings), shared by the Markdown and the HTML."""
+    """Header and body rows per kind (strings), shared by the Markdown and the HTML; jobs not run (``--only``, or
+    a sweep still going) are counted in the lead, not listed."""
+    rows = {k: [r for r in v if r["status"] != "not run"] for k, v in rows.items()}
     out = {}
     if rows["compare"]:
         head = ["job", "status", "token match", "median L∞", "max L∞", "median TVD", "max TVD", "fallbacks",
@@ -145,7 +165,7 @@ def tables(rows: dict) -> dict:
 
 
 def _md_table(head, body) -> list[str]:
-    esc = (lambda s: str(s).replace("|", "\\|"))
+    esc = (lambda s: " ".join(str(s).replace("|", "\\|").split()))   # one line per row
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + \
         ["| " + " | ".join(esc(c) for c in row) + " |" for row in body]
 
@@ -187,6 +207,10 @@ def build(folder, baseline=None, figures: bool = True) -> dict:
     env = manifest.get("environment") or {}
     lead_env = (f"torch {env.get('torch')}, transformers {env.get('transformers')}, ctxpatch-lite "
                 f"{env.get('ctxpatch_lite')}, CUDA: {env.get('cuda')}.")
+    mixed = sorted({json.dumps(r["versions"], sort_keys=True) for k in rows for r in rows[k] if r.get("versions")})
+    if len(mixed) > 1:
+        lead_env += (" Warning: the jobs ran under " + str(len(mixed)) + " different sets of versions (a resumed sweep "
+                     "after an update): " + "; ".join(mixed) + ".")
     md = [f"# {title}", "", lead, lead_env, ""]
     if base_rows is not None:
         tol_text = "; ".join(f"{dt}: L∞ {t['linf'][0]:g} + {t['linf'][1]:g}×, TVD {t['tvd'][0]:g} + {t['tvd'][1]:g}×"
@@ -205,10 +229,11 @@ def build(folder, baseline=None, figures: bool = True) -> dict:
     for kind, (head, body) in tabs.items():
         md += [f"## {kind} jobs", ""] + _md_table(head, body) + [""]
     figs = {}
-    if figures and rows["compare"]:
+    shown = [r for r in rows["compare"] if r["status"] != "not run"]
+    if figures and shown:
         from . import plots
-        figs["token_match"] = plots.sweep_token_match(rows["compare"], base_rows and base_rows["compare"])
-        figs["linf"] = plots.sweep_linf(rows["compare"], base_rows and base_rows["compare"])
+        figs["token_match"] = plots.sweep_token_match(shown, base_rows and base_rows["compare"])
+        figs["linf"] = plots.sweep_linf(shown, base_rows and base_rows["compare"])
         md += [f"![{name}](report_{name}.png)" for name in figs] + [""]
     page = ["<!doctype html><html><head><meta charset='utf-8'>", f"<title>{html.escape(title)}</title>",
             "<style>body{font-family:sans-serif;margin:2em;max-width:110em}table{border-collapse:collapse;"

@@ -132,6 +132,8 @@ def main(argv=None):
         return check(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
+    if args.from_sweep:                  # export only
+        args.sets = []
     if "appendix" in args.sets:
         (out / "appendix.json").write_text(json.dumps(appendix_record(), indent=1))
         print("appendix.json written", flush=True)

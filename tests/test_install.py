@@ -41,9 +41,11 @@ def test_wheel_carries_package_data_and_console_scripts(wheel):
     assert {"ctxpatch_lite/data/prompts.json", "ctxpatch_lite/py.typed", "ctxpatch_lite/claims.py",
             "ctxpatch_lite/data/images/mars_sunset.png", "ctxpatch_lite/data/images/robot.png",
             "ctxpatch_lite/data/images/README.md"} <= names
-    for script in ("ctxpatch-compare", "ctxpatch-verify", "ctxpatch-notebooks"):
+    for script in ("ctxpatch-compare", "ctxpatch-verify", "ctxpatch-notebooks", "ctxpatch-sweep"):
         assert script in scripts
     assert "Provides-Extra: embedded" in meta and "Provides-Extra: notebooks" in meta
+    assert "Provides-Extra: cluster" in meta and any("ray" in line and "extra == \"cluster\"" in line
+                                                     for line in meta.splitlines())
     core = [line for line in meta.splitlines() if line.startswith("Requires-Dist:") and "extra ==" not in line]
     assert not any(p.lower() in " ".join(core).lower() for p in ("jupyterlab", "papermill", "matplotlib", "gguf"))
     assert any("transformers<6,>=5.24" in line or "transformers>=5.24,<6" in line for line in core)
@@ -94,6 +96,24 @@ def test_installed_wheel_runs_notebook_03_and_the_compare_script(installed):
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads((work / "c.json").read_text())
     assert rec["n_tokens"] == 2 and rec["summary"]["n_match"] == 2 and rec["config"]["dtype"] == "float32"
+
+
+def test_installed_wheel_runs_a_sweep_and_its_report(installed):
+    """``ctxpatch-sweep`` from the wheel, in an empty folder: a two-job compare grid with the local executor (its
+    spawned workers import the installed package), then the report against itself."""
+    target, work, env = installed
+    (work / "g.yaml").write_text("name: outside\ndefaults:\n  compare: {paper_prompt: mars, tokens: 2, device: cpu}\n"
+                                 "jobs:\n  - kind: compare\n    vary: {variant: [naive, stable]}\n")
+    script = target / "bin" / "ctxpatch-sweep"
+    r = subprocess.run([str(script), "g.yaml", "--out", "sw", "--workers", "2", "--quiet"],
+                       capture_output=True, text=True, cwd=work, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 jobs: 2 ran, 0 skipped (finished before), 0 failed" in r.stdout
+    for st in (work / "sw" / "jobs").glob("*/status.json"):
+        assert json.loads(st.read_text())["status"] == "ok"
+    r = subprocess.run([str(script), "report", "sw", "--baseline", "sw", "--no-figures"],
+                       capture_output=True, text=True, cwd=work, env=env, timeout=300)
+    assert r.returncode == 0 and "Nothing moved." in r.stdout, r.stderr[-2000:]
 
 
 BLOCKER = textwrap.dedent("""

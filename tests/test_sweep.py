@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxpatch_lite.sweep import GridError, compare_argv, job_records, load_grid, run_sweep
+from ctxpatch_lite.sweep import GridError, compare_argv, cpu_count, job_records, load_grid, run_sweep
 from ctxpatch_lite.sweep_report import build, changes, rows_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +53,8 @@ jobs:
     ("  - kind: compare\n    name: same\n    vary: {variant: [naive, stable]}\n", "two jobs are named 'same'"),
     ("  - kind: compare\n    vary: {dtype: [float32, float32]}\n", "same run as"),
     ("  - kind: compare\n    colour: red\n", "unknown key(s) colour"),
+    ("  - kind: compare\n    resources: {gpu: 1}\n", "resources is {cpus: N, gpus: G}"),
+    ("  - kind: compare\n    name: a\n  - kind: compare\n    group: other\n    name: b\n", "job b is the same run as a"),
     ("  - kind: notebook\n    notebook: 99_none.ipynb\n", "99_none.ipynb does not exist"),
     ("  - kind: notebook\n    notebook: 08_image_context.ipynb\n    fixed: {dtpye: float32}\n",
      "08_image_context.ipynb has no parameter(s) dtpye"),
@@ -63,6 +65,52 @@ def test_bad_grids_are_refused_before_anything_runs(tmp_path, body, message):
         load_grid(g, notebooks=ROOT / "notebooks")
     assert message in str(err.value)
     assert "g.yaml" in str(err.value)   # names the file (and the group)
+
+
+def test_bad_tolerances_and_defaults(tmp_path):
+    for text, message in (("tolerance: {float32: 3}\n", "'tolerance' maps a dtype"),
+                          ("tolerance: {float16: {linf: [0.1, 0.1]}}\n", "tolerance.float16 is a new dtype"),
+                          ("tolerance: {float32: {linf: [1]}}\n", "'tolerance' maps a dtype"),
+                          ("defaults: {compare: 3}\n", "'defaults' maps a kind")):
+        with pytest.raises(GridError, match=message.replace("(", "\\(")):
+            load_grid(write_grid(tmp_path, text + "jobs: [{kind: compare, fixed: {paper_prompt: mars}}]\n"))
+    g = load_grid(write_grid(tmp_path, "tolerance: {float32: {linf: [0.5, 0]}}\n"
+                                       "jobs: [{kind: compare, fixed: {paper_prompt: mars}}]\n"))
+    assert g["tolerance"]["float32"] == {"linf": (0.5, 0), "tvd": (1e-6, 1e-2)}
+
+
+def test_only_matching_nothing_is_an_error(tmp_path):
+    g = load_grid(write_grid(tmp_path, BASE + "  - kind: compare\n"))
+    with pytest.raises(GridError, match="no job of grid t has 'nosuch' in its name"):
+        run_sweep(g, tmp_path / "o", only="nosuch", progress=False)
+
+
+def _row(name, key, status="ok", **kw):
+    base = {"id": f"{name}-{key}", "key": key, "name": name, "group": "g", "status": status, "dtype": "float32",
+            "n_match": 5, "n_tokens": 5, "linf_median": 1e-5, "linf_max": 2e-5, "tvd_median": 1e-6, "tvd_max": 2e-6,
+            "nonfinite": 0, "baseline_tokens": [1, 2, 3, 4, 5], "error": None}
+    return {**base, **kw}
+
+
+def test_changes_match_by_parameters_and_see_nan_missing_and_new():
+    nan = float("nan")
+    base = {"compare": [_row("a", "k1"), _row("b", "k2"), _row("c", "k3"), _row("d", "k4")],
+            "notebook": [{"id": "n-k9", "key": "k9", "name": "n", "status": "ok", "metrics": {"x": 1.0, "y": 2.0}}]}
+    now = {"compare": [_row("a-renamed", "k1"),                                   # same parameters, new name
+                       _row("b", "k2", nonfinite=2, linf_max=nan),                 # some steps became NaN
+                       _row("c", "k3", status="incomplete", error="status ok but result.json is missing"),
+                       _row("e", "k5")],                                           # new; d is gone
+           "notebook": [{"id": "n-k9", "key": "k9", "name": "n", "status": "ok", "metrics": {"x": nan, "y": 2.0}}]}
+    found = {c["name"]: c for c in changes(now, base)}
+    assert "a-renamed" not in found and "a" not in found
+    assert found["b"]["regression"] and "2 steps with a non-finite" in found["b"]["what"]
+    assert "linf_max nan" in found["b"]["what"]
+    assert found["c"]["regression"] and found["c"]["what"].startswith("status ok -> incomplete")
+    assert found["d"]["regression"] and found["d"]["what"] == "in the baseline, not in this sweep"
+    assert not found["e"]["regression"] and found["e"]["what"] == "new in this sweep"
+    assert found["n"]["regression"] and "x = nan, baseline 1" in found["n"]["what"]
+    assert [c["regression"] for c in changes(now, base)] == sorted([c["regression"] for c in changes(now, base)],
+                                                                   reverse=True)   # regressions first
 
 
 def test_bad_grid_files(tmp_path):
@@ -164,7 +212,7 @@ def test_smoke_grid_runs_and_writes_every_file(smoke_local):
         d = out / "jobs" / r["job"]["id"]
         assert r["status"]["status"] == "ok" and r["status"]["attempt"] == 1
         assert (d / "log.txt").read_text().startswith(f"attempt 1 of job {r['job']['id']}")
-        assert r["status"]["threads"] == 1                         # 2 workers x 1 thread on 2 cores
+        assert r["status"]["threads"] == max(1, cpu_count() // 2)  # 2 workers x (cores / 2) threads
         if r["job"]["kind"] == "compare":
             cfg = r["result"]["config"]
             assert cfg["command"][:3] == ["python", "-m", "ctxpatch_lite.compare"] and cfg["dtype"] == r["job"]["params"]["dtype"]
@@ -295,23 +343,47 @@ jobs:
 """
 
 
-def _kill_first_running(out: Path, stop: threading.Event) -> dict:
-    """Wait until a job has loaded its model and is running, then SIGKILL its worker process."""
-    deadline = time.time() + 240
-    while time.time() < deadline and not stop.is_set():
-        for st_file in (out / "jobs").glob("*/status.json") if (out / "jobs").is_dir() else []:
+def _killer(out: Path, stop: threading.Event, name: str = "", times: int = 1, deadline_s: float = 240) -> list:
+    """SIGKILL the worker running a job (whose name starts with ``name``) each time a new attempt of it is running
+    with its model loaded (so it is generating tokens), ``times`` times at most; returns the statuses it killed."""
+    killed, deadline = [], time.time() + deadline_s
+    while len(killed) < times and not stop.is_set() and time.time() < deadline:
+        for st_file in (out / "jobs").glob(f"{name}*/status.json") if (out / "jobs").is_dir() else []:
             try:
                 st = json.loads(st_file.read_text())
             except ValueError:
                 continue
             log = st_file.parent / "log.txt"
-            text = log.read_text() if log.is_file() else ""
-            if st.get("status") == "running" and ("loaded" in text or "reusing" in text):
-                time.sleep(0.5)                              # the model is ready: the job is generating tokens
+            this_attempt = (log.read_text() if log.is_file() else "").split(f"attempt {st.get('attempt')} of job")[-1]
+            if (st.get("status") == "running" and (st["id"], st["attempt"]) not in [(k["id"], k["attempt"])
+                                                                                   for k in killed]
+                    and ("loaded" in this_attempt or "reusing" in this_attempt)):
+                time.sleep(0.5)
                 os.kill(st["pid"], signal.SIGKILL)
-                return st
+                killed.append(st)
+                break
         time.sleep(0.2)
-    raise AssertionError("no job was seen running")
+    return killed
+
+
+@pytest.mark.real
+def test_a_job_that_kills_its_worker_every_time_fails_alone(tmp_path):
+    out = tmp_path / "out"
+    grid = load_grid(write_grid(tmp_path, SLOW))
+    stop, killed = threading.Event(), []
+    t = threading.Thread(target=lambda: killed.extend(_killer(out, stop, name="naive", times=2)))
+    t.start()
+    try:
+        res = run_sweep(grid, out, workers=2, max_attempts=2, progress=False)
+    finally:
+        stop.set()
+        t.join()
+    recs = _steps(out)
+    assert len(killed) == 2 and [k["attempt"] for k in killed] == [1, 2]
+    bad, good = recs["naive"]["status"], recs["stable"]["status"]
+    assert bad["status"] == "failed" and bad["error"].startswith("the worker process died 2 time(s) running this job")
+    assert good["status"] == "ok"                       # its neighbour in the broken pool finished all the same
+    assert [s["name"] for s in res["failed"]] == ["naive"]
 
 
 @pytest.mark.real
@@ -326,7 +398,7 @@ def test_a_killed_workers_job_runs_again(tmp_path, executor, request):
                                                                 progress=False)))
     t.start()
     try:
-        killed = _kill_first_running(out, stop)
+        (killed,) = _killer(out, stop)
     finally:
         t.join(timeout=600)
         stop.set()
@@ -336,3 +408,42 @@ def test_a_killed_workers_job_runs_again(tmp_path, executor, request):
     log = (out / "jobs" / killed["id"] / "log.txt").read_text()
     assert log.startswith(f"attempt 1 of job {killed['id']}")        # the live log keeps the lost attempt's lines
     assert "attempt 2 of job" in log and "its worker died" in log and log.count("token match") == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA GPU visible to torch")
+def test_a_cuda_grid_runs_one_gpu_per_job(tmp_path):
+    from ctxpatch_lite.fixtures import tiny_gemma3, tiny_tokenizer
+    folder = tmp_path / "tiny"
+    tiny_gemma3(seed=0, dtype="float32").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    g = write_grid(tmp_path, f"""
+name: cuda
+defaults:
+  compare: {{model: "{folder}", prompt: "a b c d e f g h", tokens: 4, device: cuda}}
+jobs:
+  - kind: compare
+    vary: {{dtype: [float32, bfloat16], variant: [naive, stable]}}
+""")
+    grid = load_grid(g)
+    assert all(j.gpus == 1 for j in grid["jobs"])
+    res = run_sweep(grid, tmp_path / "out", workers=4, progress=False)   # capped at the GPUs there are
+    assert res["failed"] == [] and res["ran"] == 4
+    import torch
+    seen = set()
+    for r in job_records(tmp_path / "out"):
+        assert r["result"]["config"]["device"].startswith("cuda")
+        seen.add(r["status"]["cuda_visible_devices"])            # each worker pinned to one GPU
+        assert r["status"]["cuda_visible_devices"] in {str(i) for i in range(torch.cuda.device_count())}
+        if r["job"]["params"]["dtype"] == "float32":
+            assert r["result"]["summary"]["n_match"] == 4
+    assert len(seen) == min(4, torch.cuda.device_count())        # as many workers as GPUs, at most the 4 asked
+
+
+@pytest.mark.real
+def test_the_ledger_reads_a_sweep_folder(smoke_local):
+    from ctxpatch_lite.claims import load_reference
+    out, _ = smoke_local
+    recs = load_reference(out)
+    assert set(recs) == {"float32-naive", "float32-stable", "bfloat16-naive", "bfloat16-stable"}
+    assert recs["bfloat16-stable"]["spec"]["dtype"] == "bfloat16" and recs["bfloat16-stable"]["spec"]["variant"] == "stable"
