@@ -505,15 +505,15 @@ def sweep_token_match(rows: list[dict], baseline: list[dict] | None = None):
 
 
 def sweep_linf(rows: list[dict], baseline: list[dict] | None = None):
-    """A sweep's L-infinity logit error per compare job: the median over steps (bar) and the maximum (tick), log
+    """A sweep's L-infinity logit error per compare job: the median over steps (dot) and the maximum (tick), log
     scale, with the baseline's maximum where the same job ran there."""
     fig, ax, names, base = _sweep_axes(rows, baseline)
     y = np.arange(len(rows))
     ok = [i for i, r in enumerate(rows) if r.get("linf_median") is not None]
-    ax.barh([y[i] for i in ok], _positive([rows[i]["linf_median"] for i in ok]), color="#55a868", height=0.6,
-            label="median over steps")
-    ax.plot(_positive([rows[i]["linf_max"] for i in ok]), [y[i] for i in ok], "|", color="black", ms=10, mew=2,
-            label="max over steps")
+    med, mx = _positive([rows[i]["linf_median"] for i in ok]), _positive([rows[i]["linf_max"] for i in ok])
+    ax.hlines([y[i] for i in ok], med, mx, color="#999999", lw=1)      # a log axis has no zero for bars to start at
+    ax.plot(med, [y[i] for i in ok], "o", color="#55a868", ms=6, label="median over steps")
+    ax.plot(mx, [y[i] for i in ok], "|", color="black", ms=10, mew=2, label="max over steps")
     if base:
         pts = [(max(base[rows[i]["key"]]["linf_max"], 1e-12), i) for i in ok
                if rows[i]["key"] in base and base[rows[i]["key"]].get("linf_max") is not None]

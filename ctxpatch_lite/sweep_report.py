@@ -29,7 +29,7 @@ NAN = float("nan")
 
 def _base_row(rec: dict) -> dict:
     j, st = rec["job"], rec["status"]
-    return {"id": j["id"], "key": j.get("key") or j["id"], "name": j["name"], "group": j["group"],
+    return {"id": j["id"], "key": j.get("key") or j["id"].rsplit("-", 1)[-1], "name": j["name"], "group": j["group"],
             "status": st["status"], "seconds": st.get("seconds"), "attempt": st.get("attempt"),
             "error": st.get("error"), "versions": st.get("versions")}
 

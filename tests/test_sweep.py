@@ -447,3 +447,10 @@ def test_the_ledger_reads_a_sweep_folder(smoke_local):
     recs = load_reference(out)
     assert set(recs) == {"float32-naive", "float32-stable", "bfloat16-naive", "bfloat16-stable"}
     assert recs["bfloat16-stable"]["spec"]["dtype"] == "bfloat16" and recs["bfloat16-stable"]["spec"]["variant"] == "stable"
+
+
+def test_a_sweep_written_before_job_keys_still_matches_by_parameters():
+    from ctxpatch_lite.sweep_report import compare_row
+    old_style = {"job": {"id": "float32-naive-ed35de41", "name": "float32-naive", "group": "g",
+                         "params": {"dtype": "float32"}}, "status": {"status": "failed"}, "result": None}
+    assert compare_row(old_style)["key"] == "ed35de41"
