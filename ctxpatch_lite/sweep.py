@@ -100,15 +100,15 @@ class Job:
         return str(self.params.get("device", "auto"))
 
     @property
-    def gpus(self) -> int:
+    def gpus(self) -> float:
         """GPUs the job asks for: the group's ``resources: {gpus: N}``, else one when it runs on CUDA (``device:
         cuda``, or ``auto`` on a driver that sees a GPU: ``auto`` picks CUDA when there is one)."""
         if "gpus" in self.resources:
-            return int(self.resources["gpus"])
+            return float(self.resources["gpus"])       # Ray takes fractions (jobs sharing a GPU)
         if self.device == "auto":
             import torch
-            return int(torch.cuda.is_available())
-        return int(self.device.startswith("cuda"))
+            return float(torch.cuda.is_available())
+        return float(self.device.startswith("cuda"))
 
     def command(self) -> str:
         """The equivalent command line, for a person to rerun this one job by hand."""
@@ -393,17 +393,19 @@ def read_json(path: Path):
         return None
 
 
-def run_job(job: dict, out: str, threads: int, executor: str = "local") -> dict:
+def run_job(job: dict, out: str, threads: int, executor: str = "local", since: float | None = None) -> dict:
     """Run one job in this process and return ``{"status": {...}, "result": ..., "files": {name: bytes},
     "log": text}``; never raises for the job's own errors (they are the status). When ``out`` is on this
     machine's disk (one machine, or a filesystem every node sees), a ``running`` status with this process's id
-    goes there first, so a job whose worker dies is known (and its next attempt counted)."""
+    goes there first, so a job whose worker dies is known (and its next attempt numbered); a ``running`` status
+    older than ``since`` (the sweep's start: left by an interrupted earlier sweep) does not count."""
     import torch
     torch.set_num_threads(max(1, int(threads)))
     status_file = _status_path(out, job["id"])
     visible = Path(out).is_dir()
     previous = read_json(status_file) if visible else None
-    attempt = previous["attempt"] + 1 if previous and previous.get("status") == "running" else 1
+    attempt = (previous["attempt"] + 1 if previous and previous.get("status") == "running"
+               and (since is None or previous.get("started_unix", 0) >= since) else 1)
     started = time.time()
     status = {"id": job["id"], "name": job["name"], "group": job["group"], "kind": job["kind"], "attempt": attempt,
               "host": socket.gethostname(), "pid": os.getpid(), "threads": torch.get_num_threads(),
@@ -425,7 +427,7 @@ def run_job(job: dict, out: str, threads: int, executor: str = "local") -> dict:
                 print(f"attempt {attempt} of job {job['id']} on {status['host']} (pid {os.getpid()}, "
                       f"{status['threads']} torch threads)")
                 if attempt > 1:
-                    print(f"(attempt {attempt - 1} left a 'running' status: its worker died)")
+                    print(f"(attempt {attempt - 1} left a 'running' status: its worker process died)")
                 try:
                     if job["kind"] == "compare":
                         result, files = _compare_job(job, Path(tmp))
@@ -490,7 +492,7 @@ def _failed(job: Job, out: Path, executor: str, error: str, attempt: int | None 
 
 def _died(job: Job, out: Path, attempts: int, executor: str, detail: str) -> dict:
     return _failed(job, out, executor, f"the worker process died {attempts} time(s) running this job ({detail}); "
-                                       f"see log.txt, and check memory", attempts)
+                                       f"see log.txt, and check memory")
 
 
 # ---------------------------------------------------------------------------------------------- executors
@@ -514,22 +516,26 @@ def _init_worker(threads: int, gpu_counter, n_gpus: int):
         os.environ["CUDA_VISIBLE_DEVICES"] = str(idx)
 
 
-def _run_local(jobs, out: Path, workers: int, threads: int, max_attempts: int, done):
-    """A process pool. When a worker dies the pool is gone (``BrokenProcessPool``) and every job it was running
-    (those that left a ``running`` status) counts an attempt; those jobs then run one at a time, so that a job
-    that kills its worker again is charged alone, before the rest go on at full width."""
+def _run_local(jobs, out: Path, workers: int, threads: int, max_attempts: int, done, since: float):
+    """A process pool. When a worker dies the pool is gone (``BrokenProcessPool``) and with it every job it was
+    running (those that left a ``running`` status in this round); those jobs then run one at a time, and a job whose
+    worker dies while it runs alone is charged a death: after ``max_attempts`` deaths it is recorded as failed.
+    So a job is never failed for a neighbour that killed the pool."""
+    import math
     import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
     ctx = mp.get_context("spawn")   # fork after torch has started threads is unsafe
     n_gpus = 0
-    if any(j.gpus for j in jobs):
+    if any(j.gpus > 0 for j in jobs):
         import torch
         n_gpus = torch.cuda.device_count()
         if not n_gpus:
             raise GridError("the grid asks for CUDA but this machine has no CUDA GPU; set device: cpu or run on a GPU")
+        if any(math.ceil(j.gpus) > 1 for j in jobs):
+            raise GridError("the local executor gives each job one GPU; a job asking for more needs --executor ray")
         workers = min(workers, n_gpus)   # one GPU per job
-    queue, suspects, empty_breaks = list(jobs), [], 0
+    queue, suspects, deaths, empty_breaks = list(jobs), [], {}, 0
 
     def finish(j, outcome):
         done(j, outcome)
@@ -542,39 +548,43 @@ def _run_local(jobs, out: Path, workers: int, threads: int, max_attempts: int, d
         broken_jobs, broken, round_start = [], None, time.time()
         with ProcessPoolExecutor(width, mp_context=ctx, initializer=_init_worker,
                                  initargs=(threads, counter, n_gpus)) as pool:
-            futures = {pool.submit(run_job, j.for_worker(), str(out), threads, "local"): j for j in batch}
+            futures = {pool.submit(run_job, j.for_worker(), str(out), threads, "local", since): j for j in batch}
             remaining = set(futures)
             try:
                 while remaining:
                     finished, remaining = wait(remaining, return_when=FIRST_COMPLETED)
                     for f in finished:
+                        j = futures[f]
                         try:
                             outcome = f.result()
                         except BrokenProcessPool as exc:
                             broken = exc
-                            broken_jobs.append(futures[f])
+                            broken_jobs.append(j)
+                        except Exception as exc:  # noqa: BLE001 - e.g. the job's files could not be written
+                            finish(j, _failed(j, out, "local", f"{type(exc).__name__}: {exc}"))
                         else:
-                            finish(futures[f], outcome)
+                            finish(j, outcome)
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
         if broken is None:
             continue
-        died = []                        # the pool broke: which jobs were running in it (not queued behind)?
+        running = []                     # the pool broke: which jobs were running in it (not queued behind)?
         for j in broken_jobs:
             st = read_json(_status_path(out, j.id))
             if st and st.get("status") == "running" and st.get("started_unix", 0) >= round_start:
-                attempt = st.get("attempt", 1)
-                if attempt >= max_attempts:
-                    finish(j, _died(j, out, attempt, "local", f"process {st.get('pid')} ended without a result"))
-                else:
-                    died.append(j)
-        empty_breaks = 0 if died else empty_breaks + 1
+                running.append(j)
+        if width == 1:                   # alone in its pool: the job's own death
+            for j in running:
+                deaths[j.id] = deaths.get(j.id, 0) + 1
+                if deaths[j.id] >= max_attempts:
+                    finish(j, _died(j, out, deaths[j.id], "local", "alone in its worker pool"))
+        empty_breaks = 0 if running else empty_breaks + 1
         if empty_breaks >= max_attempts:  # the pool breaks before any job starts: no worker can start here
             for j in [j for j in broken_jobs if j in queue]:
-                finish(j, _died(j, out, 0, "local", f"the process pool broke {empty_breaks} times before any job "
-                                                    f"started ({broken!r}); a worker process cannot start here"))
-        suspects = [j for j in died if j in queue]
+                finish(j, _failed(j, out, "local", f"the process pool broke {empty_breaks} times before any job "
+                                                   f"started ({broken!r}); a worker process cannot start here"))
+        suspects = [j for j in running if j in queue]
 
 
 def _ray(address: str | None):
@@ -590,17 +600,25 @@ def _ray(address: str | None):
     return ray
 
 
-def _run_ray(jobs, out: Path, threads: int, max_attempts: int, address: str | None, done):
+def _run_ray(jobs, out: Path, threads: int, max_attempts: int, address: str | None, done, since: float):
     """Each job a Ray task with its CPUs and GPUs; Ray schedules them and reruns a task whose worker died (up to
     ``max_attempts`` runs in all). A job's own errors come back as its status; what Ray raises is either a task
     that could not run (its cause reported as it is) or a worker that died every time."""
     ray = _ray(address)
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    most = {k: max([n.get(k, 0.0) for n in nodes] or [0.0]) for k in ("CPU", "GPU")}
+    for j in jobs:   # a task no node can hold would wait for ever
+        cpus = float(j.resources.get("cpus", threads))
+        if cpus > most["CPU"] or j.gpus > most["GPU"]:
+            raise GridError(f"job {j.name} asks for {cpus:g} CPUs and {j.gpus:g} GPUs, but the largest node of this "
+                            f"Ray cluster has {most['CPU']:g} CPUs and {most['GPU']:g} GPUs; lower --threads or the "
+                            f"grid's resources, or add such a node")
     task = ray.remote(run_job)
     refs = {}
     for j in jobs:
         cpus = float(j.resources.get("cpus", threads))
         opts = dict(num_cpus=cpus, num_gpus=j.gpus, max_retries=max_attempts - 1, retry_exceptions=False)
-        refs[task.options(**opts).remote(j.for_worker(), str(out), max(1, int(cpus)), "ray")] = j
+        refs[task.options(**opts).remote(j.for_worker(), str(out), max(1, int(cpus)), "ray", since)] = j
     remaining = list(refs)
     try:
         while remaining:
@@ -682,9 +700,9 @@ def run_sweep(grid: dict, out, *, workers: int = 1, executor: str = "local", add
 
     try:
         if todo and executor == "local":
-            _run_local(todo, out, workers, threads, max_attempts, done)
+            _run_local(todo, out, workers, threads, max_attempts, done, since=t0)
         elif todo:
-            _run_ray(todo, out, threads, max_attempts, address, done)
+            _run_ray(todo, out, threads, max_attempts, address, done, since=t0)
     finally:
         bar.close()
     seconds = round(time.time() - t0, 1)

@@ -107,8 +107,8 @@ def changes(rows: dict, base: dict, tolerance: dict | None = None, nb_tol: dict 
                 if new["nonfinite"] > old["nonfinite"]:
                     what.append(f"{new['nonfinite']} steps with a non-finite L∞ or TVD, baseline {old['nonfinite']}")
                 if new["baseline_tokens"] != old["baseline_tokens"] and new["n_tokens"] == old["n_tokens"]:
-                    k = next(i for i, (a, b) in enumerate(zip(new["baseline_tokens"], old["baseline_tokens"]))
-                             if a != b)
+                    k = next((i for i, (a, b) in enumerate(zip(new["baseline_tokens"], old["baseline_tokens"]))
+                              if a != b), min(len(new["baseline_tokens"]), len(old["baseline_tokens"])))
                     what.append(f"the unpatched model's greedy tokens changed (first at step {k})")
                 for key, tkey in (("linf_median", "linf"), ("linf_max", "linf"), ("tvd_median", "tvd"),
                                   ("tvd_max", "tvd")):

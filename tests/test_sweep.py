@@ -371,7 +371,7 @@ def test_a_job_that_kills_its_worker_every_time_fails_alone(tmp_path):
     out = tmp_path / "out"
     grid = load_grid(write_grid(tmp_path, SLOW))
     stop, killed = threading.Event(), []
-    t = threading.Thread(target=lambda: killed.extend(_killer(out, stop, name="naive", times=2)))
+    t = threading.Thread(target=lambda: killed.extend(_killer(out, stop, name="naive", times=3)))
     t.start()
     try:
         res = run_sweep(grid, out, workers=2, max_attempts=2, progress=False)
@@ -379,9 +379,11 @@ def test_a_job_that_kills_its_worker_every_time_fails_alone(tmp_path):
         stop.set()
         t.join()
     recs = _steps(out)
-    assert len(killed) == 2 and [k["attempt"] for k in killed] == [1, 2]
+    # attempt 1 dies beside 'stable' (both interrupted, neither charged); attempts 2 and 3 die alone: 2 deaths
+    assert [k["attempt"] for k in killed] == [1, 2, 3]
     bad, good = recs["naive"]["status"], recs["stable"]["status"]
-    assert bad["status"] == "failed" and bad["error"].startswith("the worker process died 2 time(s) running this job")
+    assert bad["status"] == "failed" and bad["error"].startswith("the worker process died 2 time(s) running this job "
+                                                                 "(alone in its worker pool)")
     assert good["status"] == "ok"                       # its neighbour in the broken pool finished all the same
     assert [s["name"] for s in res["failed"]] == ["naive"]
 
@@ -407,7 +409,7 @@ def test_a_killed_workers_job_runs_again(tmp_path, executor, request):
     assert st["status"] == "ok" and st["attempt"] == 2 and st["pid"] != killed["pid"]
     log = (out / "jobs" / killed["id"] / "log.txt").read_text()
     assert log.startswith(f"attempt 1 of job {killed['id']}")        # the live log keeps the lost attempt's lines
-    assert "attempt 2 of job" in log and "its worker died" in log and log.count("token match") == 1
+    assert "attempt 2 of job" in log and "its worker process died" in log and log.count("token match") == 1
 
 
 @pytest.mark.cuda
@@ -454,3 +456,26 @@ def test_a_sweep_written_before_job_keys_still_matches_by_parameters():
     old_style = {"job": {"id": "float32-naive-ed35de41", "name": "float32-naive", "group": "g",
                          "params": {"dtype": "float32"}}, "status": {"status": "failed"}, "result": None}
     assert compare_row(old_style)["key"] == "ed35de41"
+
+
+def test_an_interrupted_sweeps_running_status_is_not_a_death(tmp_path):
+    from ctxpatch_lite.sweep import run_job
+    g = load_grid(write_grid(tmp_path, BASE.replace("device: cpu", "device: cpu, model: /no/such/model")
+                             + "  - kind: compare\n"))
+    job = g["jobs"][0].for_worker()
+    out = tmp_path / "out"
+    st = out / "jobs" / job["id"] / "status.json"
+    st.parent.mkdir(parents=True)
+    stale = {"id": job["id"], "status": "running", "attempt": 1, "started_unix": 1000.0, "pid": 1}
+    st.write_text(json.dumps(stale))
+    fresh = run_job(job, str(out), 1, since=time.time())              # left by an earlier, interrupted sweep
+    assert fresh["status"]["attempt"] == 1 and "its worker process died" not in fresh["log"]
+    assert fresh["status"]["status"] == "failed" and "/no/such/model" in fresh["status"]["error"]
+    st.write_text(json.dumps(stale))
+    assert run_job(job, str(out), 1, since=None)["status"]["attempt"] == 2   # this sweep's own: a death
+
+
+def test_ray_refuses_a_job_no_node_can_hold(tmp_path, ray_cluster):
+    g = load_grid(write_grid(tmp_path, BASE + "  - kind: compare\n    resources: {cpus: 64}\n"))
+    with pytest.raises(GridError, match="asks for 64 CPUs and 0 GPUs, but the largest node of this Ray cluster has 2 CPUs"):
+        run_sweep(g, tmp_path / "o", executor="ray", progress=False)
