@@ -42,8 +42,10 @@ def _flatten(d, prefix=""):
     return out
 
 
-def compare_metrics(new: dict, old: dict, rtol: float, atol: float) -> list[str]:
-    """Differences between two summaries' numeric metrics beyond tolerance (NaN equals NaN)."""
+def compare_metrics(new: dict, old: dict, rtol: float, atol: float, label: str = "previous") -> list[str]:
+    """Differences between two summaries' numeric metrics beyond tolerance: a metric missing, moved by more than
+    ``atol + rtol * |old|``, or finite on one side and NaN on the other (NaN equals NaN). ``label`` names the old
+    run in the messages."""
     problems = []
     for nb, old_m in old.items():
         if nb not in new:
@@ -53,8 +55,9 @@ def compare_metrics(new: dict, old: dict, rtol: float, atol: float) -> list[str]
         for k, ref in b.items():
             if k not in a:
                 problems.append(f"{nb}: metric {k} missing")
-            elif not (math.isnan(ref) and math.isnan(a[k])) and abs(a[k] - ref) > atol + rtol * abs(ref):
-                problems.append(f"{nb}: {k} = {a[k]:.6g}, previous {ref:.6g}")
+            elif math.isnan(a[k]) != math.isnan(ref) or (
+                    not math.isnan(ref) and abs(a[k] - ref) > atol + rtol * abs(ref)):
+                problems.append(f"{nb}: {k} = {a[k]:.6g}, {label} {ref:.6g}")
     return problems
 
 

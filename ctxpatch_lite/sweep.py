@@ -445,13 +445,10 @@ def run_job(job: dict, out: str, threads: int, executor: str = "local", since: f
 
 
 def _versions() -> dict:
-    import torch
-    import transformers
-    try:
-        from . import __version__
-    except ImportError:  # pragma: no cover
-        __version__ = None
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "ctxpatch_lite": __version__}
+    """The library versions of ``protocol.environment()`` (the record every run carries), for a job's status."""
+    from .protocol import environment
+    env = environment()
+    return {k: env.get(k) for k in ("torch", "transformers", "ctxpatch_lite")}
 
 
 class _Log(io.StringIO):
@@ -680,23 +677,22 @@ def run_sweep(grid: dict, out, *, workers: int = 1, executor: str = "local", add
     todo.sort(key=lambda j: (j.kind, str(j.params.get("model")), j.dtype, j.device))
     from tqdm.auto import tqdm
     bar = tqdm(total=len(todo), desc=f"sweep {grid['name']}", unit="job", disable=not progress)
-    failed, counts = [], {"ok": 0, "failed": 0}
+    failed = []
     t0 = time.time()
     if skipped:
         print(f"resuming in {out}: {skipped} of {len(jobs)} jobs finished before, {len(todo)} to run", flush=True)
 
     def done(job: Job, outcome: dict):
         st = store(out, job, outcome)
-        counts[st["status"]] = counts.get(st["status"], 0) + 1
         if st["status"] != "ok":
             failed.append(st)
             bar.write(f"failed: {job.name} ({st['error']}); log: {out / 'jobs' / job.id / 'log.txt'}")
         bar.update(1)
         left = len(todo) - bar.n
         if executor == "local":
-            bar.set_postfix(running=min(left, workers), failed=counts["failed"])
+            bar.set_postfix(running=min(left, workers), failed=len(failed))
         else:   # Ray decides how many run at once
-            bar.set_postfix(queued_or_running=left, failed=counts["failed"])
+            bar.set_postfix(queued_or_running=left, failed=len(failed))
 
     try:
         if todo and executor == "local":

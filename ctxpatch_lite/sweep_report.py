@@ -77,6 +77,7 @@ def _grew(new: float, old: float, tol: tuple) -> bool:
 def changes(rows: dict, base: dict, tolerance: dict | None = None, nb_tol: dict | None = None) -> list[dict]:
     """What moved between this sweep's rows and the baseline's: ``[{"name", "kind", "regression": bool, "what"}]``,
     regressions first."""
+    from .run_notebooks import compare_metrics
     tolerance = tolerance or TOLERANCE
     nb_tol = nb_tol or NOTEBOOK_TOLERANCE
     found = []
@@ -116,14 +117,10 @@ def changes(rows: dict, base: dict, tolerance: dict | None = None, nb_tol: dict 
                         what.append(f"{key} {new[key]:.3g}, baseline {old[key]:.3g} (tolerance {tol[tkey][0]:g} + "
                                     f"{tol[tkey][1]:g} x baseline)")
             else:
-                a, b = new.get("metrics") or {}, old.get("metrics") or {}
-                for k, ref in b.items():
-                    if k not in a:
-                        what.append(f"metric {k} missing")
-                    elif math.isnan(a[k]) != math.isnan(ref):
-                        what.append(f"{k} = {a[k]:.6g}, baseline {ref:.6g}")
-                    elif not math.isnan(ref) and abs(a[k] - ref) > nb_tol["atol"] + nb_tol["rtol"] * abs(ref):
-                        what.append(f"{k} = {a[k]:.6g}, baseline {ref:.6g}")
+                problems = compare_metrics({"nb": {"metrics": new.get("metrics")}},
+                                           {"nb": {"metrics": old.get("metrics")}}, nb_tol["rtol"], nb_tol["atol"],
+                                           label="baseline")
+                what += [p.split(": ", 1)[1] for p in problems]
             if what:
                 found.append({"name": new["name"], "kind": kind, "regression": True, "what": "; ".join(what)})
         for jid, new in now.items():

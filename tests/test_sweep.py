@@ -479,3 +479,11 @@ def test_ray_refuses_a_job_no_node_can_hold(tmp_path, ray_cluster):
     g = load_grid(write_grid(tmp_path, BASE + "  - kind: compare\n    resources: {cpus: 64}\n"))
     with pytest.raises(GridError, match="asks for 64 CPUs and 0 GPUs, but the largest node of this Ray cluster has 2 CPUs"):
         run_sweep(g, tmp_path / "o", executor="ray", progress=False)
+
+
+def test_notebook_metrics_that_turn_nan_are_flagged_by_the_runners_comparison_too():
+    from ctxpatch_lite.run_notebooks import compare_metrics
+    old = {"03": {"metrics": {"a": 1.0, "b": float("nan"), "c": float("nan")}}}
+    new = {"03": {"metrics": {"a": float("nan"), "b": 2.0, "c": float("nan")}}}
+    assert compare_metrics(new, old, 1e-3, 1e-6) == ["03: a = nan, previous 1", "03: b = 2, previous nan"]
+    assert compare_metrics(old, old, 1e-3, 1e-6) == []
