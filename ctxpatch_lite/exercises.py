@@ -211,7 +211,7 @@ _INPUT_WRONG = {
 }
 
 
-def check_input_patch(fn: Callable) -> None:
+def check_input_patch(fn: Callable) -> dict:
     """Exercise 1: ``fn(W, z, z_C)`` must return the rank-1 ``dW`` with ``(W + dW) z = W z_C``."""
     cases = _input_cases()
     outs = _run(fn, cases, "input_patch")
@@ -228,8 +228,9 @@ def check_input_patch(fn: Callable) -> None:
             raise ExerciseError(f"ΔW must have W's shape {tuple(W.shape)}; got {tuple(out.shape)}")
     if all(_same(o, input_patch(*c)) for o, c in zip(outs, cases)):
         ranks = {int(torch.linalg.matrix_rank(o)) for o in outs}
-        print(f"✓ input_patch: (W + ΔW) z = W z_C on {len(cases)} cases, ΔW has rank {ranks.pop() if len(ranks) == 1 else ranks}")
-        return
+        rank = ranks.pop() if len(ranks) == 1 else sorted(ranks)
+        print(f"✓ input_patch: (W + ΔW) z = W z_C on {len(cases)} cases, ΔW has rank {rank}")
+        return {"cases": len(cases), "rank": rank}
     hint = _diagnose(outs, cases, _INPUT_WRONG)
     if hint:
         raise ExerciseError(hint)
@@ -272,7 +273,7 @@ _SCALE_WRONG = {
 }
 
 
-def check_scale_patch(fn: Callable) -> None:
+def check_scale_patch(fn: Callable) -> dict:
     """Exercise 2: ``fn(v, v_C, h, m)`` must return ``dm = (v_C - v) / h`` with the divide-by-1 guard."""
     cases = _scale_cases()
     outs = _run(fn, cases, "scale_patch")
@@ -287,9 +288,10 @@ def check_scale_patch(fn: Callable) -> None:
                                 "engine counts such coordinates as fallbacks")
     if all(_same(o, scale_patch(*c)) for o, c in zip(outs, cases)):
         worst = max(float((v + (m + o) * h - (vc + m * h))[h != 0].abs().max()) for o, (v, vc, h, m) in zip(outs, cases))
+        zeros = sum(int((c[2] == 0).sum()) for c in cases)
         print(f"✓ scale_patch: v + (m + Δm) ⊙ h = v_C + m ⊙ h on {len(cases)} cases (max error {worst:.1e}), "
-              f"{sum(int((c[2] == 0).sum()) for c in cases)} exact zeros of h divided by 1")
-        return
+              f"{zeros} exact zeros of h divided by 1")
+        return {"cases": len(cases), "max_error": worst, "zeros": zeros}
     hint = _diagnose(outs, cases, _SCALE_WRONG)
     if hint:
         raise ExerciseError(hint)
@@ -337,7 +339,7 @@ _BISECTION_WRONG = {
 }
 
 
-def check_bisection_step(fn: Callable) -> None:
+def check_bisection_step(fn: Callable) -> dict:
     """Exercise 3: ``fn(lo, hi, g, m)`` must return the half of [lo, hi] that holds the root of F; then 200 of the
     learner's steps must find the root the package's inversion finds."""
     from .stable import invert_rmsnorm_unit
@@ -355,9 +357,10 @@ def check_bisection_step(fn: Callable) -> None:
         if not math.isclose(0.5 * (lo + hi), mu, rel_tol=1e-9, abs_tol=1e-12):
             raise ExerciseError(f"one step is right, but 200 of them end at {0.5 * (lo + hi):.12g}, not at the root "
                                 f"{mu:.12g}: does your step keep lo < hi and F(lo) < 0 < F(hi)?")
+        f_mu = secular(0.5 * (lo + hi), g, m)
         print(f"✓ bisection_step: {len(cases)} single steps right; 200 steps find μ* = {mu:.10g} "
-              f"(F(μ*) = {secular(0.5 * (lo + hi), g, m):.1e}), as invert_rmsnorm_unit does")
-        return
+              f"(F(μ*) = {f_mu:.1e}), as invert_rmsnorm_unit does")
+        return {"cases": len(cases), "steps": 200, "mu": mu, "F_mu": f_mu}
     hint = _diagnose([tuple(map(float, o)) for o in outs], cases, _BISECTION_WRONG)
     if hint:
         raise ExerciseError(hint)
@@ -382,7 +385,7 @@ def _spy_tools(calls: list):
     return SimpleNamespace(**{**vars(TOOLS), "theorem1_block": theorem1})
 
 
-def check_algorithm1(fn: Callable, cases: list | None = None) -> None:
+def check_algorithm1(fn: Callable, cases: list | None = None) -> dict:
     """Exercise 4: ``fn(model, ids, tools)`` must return the logits Algorithm 1 gives for the last token of ``ids``
     run alone, which equal the full-context logits of the same from-scratch model (float64, a tiny seeded Gemma 3 by
     default). (transformers' Gemma 3 computes its RMSNorms in float32 even for a float64 model, so its own logits
@@ -442,3 +445,4 @@ def check_algorithm1(fn: Callable, cases: list | None = None) -> None:
     print(f"✓ algorithm1: {len(cases)} prompts on a {L}-layer Gemma 3 (float64): every layer patched from the actual "
           f"output of the patched layer below; each block's output within {block_rel:.1e} of its full-context output "
           f"and the logits within {rel:.1e} of the full-context logits (relative)")
+    return {"prompts": len(cases), "layers": L, "block_error": block_rel, "logit_error": rel}

@@ -10,6 +10,8 @@ All metrics are computed in float64 from the two logit vectors over the full voc
 * ``top1_diff``: p[argmax p] - q[argmax p], the probability the patched model loses on the baseline's top token.
 * ``margin``: the baseline's top-1 minus top-2 logit; a mismatch at a small margin is a near tie, which rounding
   (bfloat16, a different kernel) can flip.
+* ``logit_scale``: the baseline's largest |logit|, which sets the size of one ulp of the logits (the noise a
+  different CPU's rounding adds, ``arithmetic``).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(_spearman_rows(a.to(torch.float64), b.to(torch.float64)))
 
 
-METRIC_KEYS = ("baseline_token", "patched_token", "linf", "tvd", "rank_corr", "top1_diff", "margin")
+METRIC_KEYS = ("baseline_token", "patched_token", "linf", "tvd", "rank_corr", "top1_diff", "margin", "logit_scale")
 
 
 CHUNK_ELEMENTS = 1 << 18   # rows per metric chunk x vocabulary: bounds the float64/int64 temporaries (~25 MB)
@@ -68,7 +70,8 @@ def _metric_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor
     two = p64.topk(min(2, p64.shape[-1]), dim=-1).values
     return torch.stack([bt.to(torch.float64), pt.to(torch.float64), (p64 - q64).abs().amax(-1),
                         0.5 * (p - q).abs().sum(-1), _spearman_rows(p64, q64),
-                        (p.gather(-1, top) - q.gather(-1, top)).squeeze(-1), two[:, 0] - two[:, -1]], -1)
+                        (p.gather(-1, top) - q.gather(-1, top)).squeeze(-1), two[:, 0] - two[:, -1],
+                        p64.abs().amax(-1)], -1)
 
 
 def compare_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[dict]:
@@ -91,7 +94,7 @@ def _to_records(m: torch.Tensor) -> list[dict]:
         d["baseline_token"], d["patched_token"] = int(d["baseline_token"]), int(d["patched_token"])
         d["match"] = d["baseline_token"] == d["patched_token"]
         out.append({k: d[k] for k in ("baseline_token", "patched_token", "match", "linf", "tvd", "rank_corr",
-                                      "top1_diff", "margin")})
+                                      "top1_diff", "margin", "logit_scale")})
     return out
 
 

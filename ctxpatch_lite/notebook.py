@@ -83,7 +83,11 @@ def setup(threads: int | None = None, quiet: bool = True, memory: bool = True) -
 
 
 def save_metrics(path: str | None, metrics: dict) -> None:
-    """Write a notebook's metrics JSON where the runner asked for it (``metrics_out`` parameter); no-op if None."""
+    """Write a notebook's metrics JSON where the runner asked for it (the ``metrics_out`` parameter), else where the
+    test session asked for it (``CTXPATCH_METRICS_OUT``, set per notebook by notebooks/conftest.py); else nothing.
+    Every number a notebook prints is one of its metrics: the tests compare them with
+    ``notebooks/expected_metrics.json`` under each metric's stated rule (nbval compares the words)."""
+    path = path or os.environ.get("CTXPATCH_METRICS_OUT")
     if not path:
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from .algorithm import Algorithm1, PatchConfig
 from .engine import diag_rows
 from .metrics import aggregate, compare_rows
 from .models import dtype_name
+from .arithmetic import arithmetic_path
 from .hooks import exact_float32, precision_flags
 from .patches import DIAG_KEYS
 from .records import SCHEMA_VERSION, RunRecord, StepRecord, upgrade_record  # noqa: F401
@@ -101,7 +102,8 @@ def environment(model=None) -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
            "torch_threads": torch.get_num_threads(), "precision_flags": precision_flags(),
-           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+           "arithmetic_path": arithmetic_path()}
     from ._optional import warn_old_versions
     if warnings := warn_old_versions():
         env["version_warnings"] = warnings

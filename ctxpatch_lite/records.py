@@ -28,6 +28,7 @@ class StepRecord:
     reused: bool | None = None                    # fixed schedule: this step reused step 0's patches
     baseline_argmax_differs: bool | None = None   # batched: full-sequence argmax vs the cached greedy token
     margin: float | None = None                   # the baseline's top-1 minus top-2 logit (a near tie when small)
+    logit_scale: float | None = None              # the baseline's largest |logit| (sets one ulp of the logits)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

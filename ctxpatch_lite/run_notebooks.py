@@ -5,7 +5,10 @@
 
 Writes ``runs/<stamp>/<notebook>.ipynb`` (executed), ``<notebook>.metrics.json``, PNG figures under
 ``<notebook>_figures/`` and ``summary.json``; prints a table; exits 1 naming the failing notebook and cell.
-``--compare`` checks every numeric metric against a previous run's summary within ``--rtol``/``--atol``.
+``--compare`` checks every metric against a previous run's summary, and ``--check`` against the expected metrics
+(``notebooks/expected_metrics.json``), each metric under its stated rule (``ctxpatch_lite.arithmetic``); ``--store``
+writes this run's outputs into the notebooks themselves (what nbval compares), makes its metrics the expected ones
+and its seconds the measured times (``notebooks/times.json``): outputs, metrics and times from one execution.
 
 Each notebook's peak memory is the kernel process's own peak resident set size (``VmHWM``, written by the
 kernel when it exits; GB = 10^9 bytes), in ``summary.json`` (``peak_rss_gb``) and the table; ``--max-rss-gb X``
@@ -29,36 +32,98 @@ def _parse_value(text: str):
         return text
 
 
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in (d or {}).items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = float(v)
-        elif isinstance(v, bool):
-            out[key] = float(v)
-    return out
+EXPECTED = "expected_metrics.json"   # beside the notebooks: expected values and the rule of every metric
+TIMES = "times.json"                  # beside the notebooks: measured seconds per notebook (their headers quote them)
 
 
-def compare_metrics(new: dict, old: dict, rtol: float, atol: float, label: str = "previous") -> list[str]:
-    """Differences between two summaries' numeric metrics beyond tolerance: a metric missing, moved by more than
-    ``atol + rtol * |old|``, or finite on one side and NaN on the other (NaN equals NaN). ``label`` names the old
-    run in the messages."""
+def _numbers(metrics) -> dict:
+    """The numeric metrics, flat (for the summary table)."""
+    from .arithmetic import flatten
+    return {k: v for k, v in flatten(metrics or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def load_expected(nb_dir) -> dict:
+    """``notebooks/expected_metrics.json``: ``{"notebooks": {stem: {"rules": {...}, "values": {...}}}, ...}``."""
+    path = Path(nb_dir) / EXPECTED
+    return json.loads(path.read_text()) if path.is_file() else {"notebooks": {}}
+
+
+def check_metrics(stem: str, metrics: dict, expected: dict, label: str = "expected") -> list[str]:
+    """How one notebook's metrics differ from the expected ones under the notebook's rules
+    (``arithmetic.compare_metrics``); a notebook with no expected values is one problem."""
+    from .arithmetic import compare_metrics
+    entry = expected.get("notebooks", {}).get(stem)
+    if entry is None:
+        return [f"no expected metrics for {stem} in {EXPECTED}: run `make run ARGS=--store` and write its rules"]
+    return compare_metrics(metrics, entry.get("values", {}), entry.get("rules", {}), label=label)
+
+
+def compare_metrics(new: dict, old: dict, rules_from: dict, label: str = "previous") -> list[str]:
+    """Differences between two summaries' metrics (``{stem: {"metrics": ...}}``), each notebook's metrics judged
+    under its own rules from ``rules_from`` (the expected-metrics file)."""
     problems = []
     for nb, old_m in old.items():
         if nb not in new:
             problems.append(f"{nb}: missing in this run")
             continue
-        a, b = _flatten(new[nb].get("metrics")), _flatten(old_m.get("metrics"))
-        for k, ref in b.items():
-            if k not in a:
-                problems.append(f"{nb}: metric {k} missing")
-            elif math.isnan(a[k]) != math.isnan(ref) or (
-                    not math.isnan(ref) and abs(a[k] - ref) > atol + rtol * abs(ref)):
-                problems.append(f"{nb}: {k} = {a[k]:.6g}, {label} {ref:.6g}")
+        rules = rules_from.get("notebooks", {}).get(nb, {}).get("rules", {})
+        from .arithmetic import compare_metrics as compare
+        problems += [f"{nb}: {p}" for p in compare(new[nb].get("metrics") or {}, old_m.get("metrics") or {}, rules,
+                                                   label=label)]
     return problems
+
+
+def stored_outputs(executed: Path, original: Path) -> None:
+    """Write the outputs of a papermill execution back into the notebook itself, as if executed in place: the
+    injected-parameters cell and papermill's metadata are dropped (the parameters the runner injects, metrics_out
+    and figures_dir, print nothing)."""
+    import nbformat
+    nb = nbformat.read(executed, as_version=4)
+    nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
+    for c in nb.cells:
+        c.metadata.pop("papermill", None)
+        c.metadata.pop("execution", None)
+        if "tags" in c.metadata and not c.metadata["tags"]:
+            del c.metadata["tags"]
+    nb.metadata.pop("papermill", None)
+    nbformat.write(nb, original)
+
+
+def store(summary: dict, nb_dir: Path, out_dir: Path) -> list[str]:
+    """Write this run's metrics into ``expected_metrics.json`` (the rules kept as written) and its seconds into
+    ``times.json``; returns the problems that stop it (a failed notebook, a float metric without a rule)."""
+    from .arithmetic import arithmetic_path, flatten, rule_for
+    failed = [stem for stem, s in summary.items() if s["status"] != "ok"]
+    if failed:
+        return [f"{stem} failed: nothing stored" for stem in failed]
+    expected = load_expected(nb_dir)
+    problems = []
+    for stem, s in summary.items():
+        entry = expected["notebooks"].setdefault(stem, {"rules": {}, "values": {}})
+        values = flatten(s.get("metrics") or {})
+        problems += [f"{stem}: metric {k} = {v!r} has no rule in {EXPECTED}" for k, v in values.items()
+                     if rule_for(k, v, entry["rules"]) is None]
+        entry["values"] = values
+    if problems:
+        return problems
+    for stem in summary:     # the stored outputs and the expected metrics come from this one execution
+        stored_outputs(out_dir / f"{stem}.ipynb", nb_dir / f"{stem}.ipynb")
+    stamp = time.strftime("%Y-%m-%d")
+    expected["stored"] = {"command": "make run ARGS=--store", "date": stamp, "run": str(out_dir),
+                          "arithmetic_path": arithmetic_path()}
+    expected["about"] = ("Expected notebook metrics: the values of one run (`make run ARGS=--store`), and per notebook "
+                         "the rule each metric is compared under (written by hand; named rules are "
+                         "ctxpatch_lite.arithmetic.RULES). nbval compares the words of the stored outputs; the tests "
+                         "compare every run's metrics with these (notebooks/conftest.py).")
+    (nb_dir / EXPECTED).write_text(json.dumps(expected, indent=1, sort_keys=False) + "\n")
+    times = json.loads((nb_dir / TIMES).read_text()) if (nb_dir / TIMES).is_file() else {"seconds": {}}
+    times["seconds"].update({stem: s["seconds"] for stem, s in summary.items()})
+    times["measured"] = (f"make run (ctxpatch_lite.run_notebooks, default parameters, {os.environ.get('CTXPATCH_THREADS', 'default')} "
+                         f"torch thread(s) per kernel, {os.cpu_count()} CPU cores), {stamp}: seconds per notebook from "
+                         f"{out_dir.name}/summary.json; {sum(times['seconds'].values()):.0f} s for all "
+                         f"{len(times['seconds'])}")
+    (nb_dir / TIMES).write_text(json.dumps(times, indent=1) + "\n")
+    return []
 
 
 def _read_rss(path: Path):
@@ -91,13 +156,20 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="model for every notebook (hub id or folder; default embedded)")
     ap.add_argument("--threads", default="auto", help="torch threads in the kernels: auto (1 on <=2 cores, else "
                                                       "torch's default) or a number")
-    ap.add_argument("--compare", default=None, help="a previous run's summary.json to compare metrics against")
-    ap.add_argument("--rtol", type=float, default=1e-3)
-    ap.add_argument("--atol", type=float, default=1e-6)
+    ap.add_argument("--compare", default=None, help="a previous run's summary.json to compare metrics against, each "
+                                                    "metric under its rule (expected_metrics.json)")
+    ap.add_argument("--check", action="store_true", help="compare every notebook's metrics with the expected ones "
+                                                         "(expected_metrics.json beside the notebooks) under their rules")
+    ap.add_argument("--store", action="store_true", help="write this run's outputs into the notebooks, its metrics "
+                                                         "as the expected ones and its seconds into times.json "
+                                                         "(default parameters, all notebooks)")
     ap.add_argument("--timeout", type=int, default=1800, help="per-cell timeout in seconds")
     ap.add_argument("--max-rss-gb", type=float, default=None, help="fail if a notebook's kernel peaks above this "
                                                                     "resident memory (GB = 1e9 bytes), e.g. 1.9")
     args = ap.parse_args(argv)
+    if args.store and (args.parameter or args.model or args.only):
+        ap.error("--store keeps the metrics and times of the default parameters on every notebook: drop -p, --model "
+                 "and --only")
 
     from ._optional import require
     pm = require("papermill", "notebooks", "running the notebook series")
@@ -144,12 +216,13 @@ def main(argv=None) -> int:
         metrics = json.loads(mpath.read_text()) if mpath.is_file() else {}
         summary[stem] = {"status": "ok", "seconds": round(time.time() - t0, 1), "peak_rss_gb": _read_rss(rss_file),
                          "metrics": metrics}
+
     os.environ.pop("CTXPATCH_RSS_OUT", None)
     total = round(time.time() - t_all, 1)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\n{'notebook':<28}{'status':<9}{'seconds':>8}{'peak RSS GB':>13}  metrics")
     for stem, s in summary.items():
-        flat = _flatten(s.get("metrics"))
+        flat = _numbers(s.get("metrics"))
         shown = ", ".join(f"{k}={v:.4g}" for k, v in list(flat.items())[:3])
         rss = "?" if s.get("peak_rss_gb") is None else f"{s['peak_rss_gb']:.2f}"
         print(f"{stem:<28}{s['status']:<9}{s['seconds']:>8}{rss:>13}  {shown}")
@@ -166,14 +239,29 @@ def main(argv=None) -> int:
             print(f"error: over the {args.max_rss_gb} GB memory limit: " + "; ".join(over), file=sys.stderr)
             return 1
         print(f"every notebook's peak RSS is under {args.max_rss_gb} GB")
+    expected = load_expected(nb_dir)
     if args.compare:
         old = json.loads(Path(args.compare).read_text())
-        problems = compare_metrics(summary, old, args.rtol, args.atol)
+        problems = compare_metrics(summary, old, expected)
         for p in problems:
             print(f"regression: {p}", file=sys.stderr)
         if problems:
             return 1
-        print(f"metrics agree with {args.compare} (rtol {args.rtol}, atol {args.atol})")
+        print(f"metrics agree with {args.compare} (each under its rule in {nb_dir / EXPECTED})")
+    if args.check:
+        problems = [f"{stem}: {p}" for stem, s in summary.items() for p in check_metrics(stem, s["metrics"], expected)]
+        for p in problems:
+            print(f"differs: {p}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"metrics agree with {nb_dir / EXPECTED} (each under its rule)")
+    if args.store:
+        problems = store(summary, nb_dir, out_dir)
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"stored the expected metrics in {nb_dir / EXPECTED} and the times in {nb_dir / TIMES}")
     return 0
 
 

@@ -45,13 +45,6 @@ GRID_KEYS = {"name", "description", "defaults", "jobs", "notebooks", "tolerance"
 GROUP_KEYS = {"group", "kind", "name", "fixed", "vary", "notebook", "resources"}
 # Options a sweep sets itself: the JSON path, torch's threads and the progress bars belong to the executor.
 RESERVED = {"json", "json_out", "threads", "quiet"}
-# |new - baseline| <= abs + rel * |baseline|, per dtype, for L-infinity and TVD (the report, reference_runs --check).
-# float32: a different but equally valid kernel choice stays far inside; bfloat16: one ulp of a logit of 16-32 is
-# 0.125, so two ulps plus 5 %; float64: rounding only.
-TOLERANCE = {"float64": {"linf": (1e-9, 1e-6), "tvd": (1e-12, 1e-6)},
-             "float32": {"linf": (1e-4, 1e-3), "tvd": (1e-6, 1e-2)},
-             "bfloat16": {"linf": (0.25, 0.05), "tvd": (1e-3, 0.1)}}
-NOTEBOOK_TOLERANCE = {"rtol": 1e-3, "atol": 1e-6}   # run_notebooks --compare's defaults
 
 
 class GridError(ValueError):
@@ -142,17 +135,11 @@ def load_grid(path, notebooks=None) -> dict:
             or not all(isinstance(v, dict) or v is None for v in defaults.values())):
         raise GridError(f"{path}: 'defaults' maps a kind ({', '.join(KINDS)}) to the options every job of it shares")
     nb_dir = Path(notebooks) if notebooks else (path.parent / raw.get("notebooks", "../../notebooks"))
-    tolerance = {dt: {k: tuple(v) for k, v in tol.items()} for dt, tol in TOLERANCE.items()}
-    extra = raw.get("tolerance") or {}
-    for dt, tol in (extra.items() if isinstance(extra, dict) else [(None, None)]):
-        if (not isinstance(tol, dict) or set(tol) - {"linf", "tvd"}
-                or not all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)
-                           for v in tol.values())):
-            raise GridError(f"{path}: 'tolerance' maps a dtype to {{linf: [abs, rel], tvd: [abs, rel]}} (new minus "
-                            f"baseline may grow by abs + rel x baseline), got {extra!r}")
-        if dt not in tolerance and set(tol) != {"linf", "tvd"}:
-            raise GridError(f"{path}: tolerance.{dt} is a new dtype: give both linf and tvd")
-        tolerance.setdefault(dt, {}).update({k: tuple(v) for k, v in tol.items()})
+    from .arithmetic import bands_as_json, bands_with
+    try:
+        tolerance = bands_as_json(bands_with(raw.get("tolerance")))
+    except ValueError as exc:
+        raise GridError(f"{path}: {exc}") from None
     _check_resources(raw.get("resources"), f"{path.name}: resources")
     jobs, seen = [], {}   # seen: key -> name
     for gi, g in enumerate(raw["jobs"]):
@@ -178,7 +165,7 @@ def load_grid(path, notebooks=None) -> dict:
                             f"give the groups name templates that tell them apart")
         names[j.name] = j.group
     return {"name": raw.get("name", path.stem), "description": raw.get("description", ""), "path": str(path.resolve()),
-            "jobs": jobs, "tolerance": tolerance, "notebook_tolerance": dict(NOTEBOOK_TOLERANCE)}
+            "jobs": jobs, "tolerance": tolerance}
 
 
 def _expand(g: dict, kind: str, defaults: dict, where: str, nb_dir: Path, grid_resources: dict):

@@ -21,7 +21,7 @@ import math
 import sys
 from pathlib import Path
 
-from .sweep import NOTEBOOK_TOLERANCE, TOLERANCE, GridError, job_records, read_json
+from .sweep import GridError, job_records, read_json
 
 
 NAN = float("nan")
@@ -49,15 +49,16 @@ def compare_row(rec: dict) -> dict:
                    **{k: s.get(k, NAN) for k in ("linf_median", "linf_max", "tvd_median", "tvd_max")},
                    fallbacks=s.get("fallbacks_total", 0), hard_cases=s.get("hard_cases_total", 0),
                    nonfinite=sum(not (_finite(x.get("linf")) and _finite(x.get("tvd"))) for x in steps),
-                   baseline_tokens=[x.get("baseline_token") for x in steps])
+                   runs=runs, config={**rec["job"]["params"], **(res.get("config") or {})})
     return row
 
 
 def notebook_row(rec: dict) -> dict:
-    from .run_notebooks import _flatten
+    from .arithmetic import flatten
     row, res = _base_row(rec), rec["result"]
+    row["notebook"] = rec["job"].get("notebook")
     if res:
-        row.update(peak_rss_gb=res.get("peak_rss_gb"), metrics=_flatten(res.get("metrics")))
+        row.update(peak_rss_gb=res.get("peak_rss_gb"), metrics=flatten(res.get("metrics") or {}))
     return row
 
 
@@ -67,19 +68,14 @@ def rows_of(folder) -> dict:
             "notebook": [notebook_row(r) for r in recs if r["job"]["kind"] == "notebook"]}
 
 
-def _grew(new: float, old: float, tol: tuple) -> bool:
-    if math.isnan(new) or math.isnan(old):       # every step non-finite on one side: counted apart (nonfinite)
-        return math.isnan(new) and not math.isnan(old)
-    a, r = tol
-    return new - old > a + r * abs(old)
-
-
-def changes(rows: dict, base: dict, tolerance: dict | None = None, nb_tol: dict | None = None) -> list[dict]:
+def changes(rows: dict, base: dict, bands: dict | None = None) -> list[dict]:
     """What moved between this sweep's rows and the baseline's: ``[{"name", "kind", "regression": bool, "what"}]``,
-    regressions first."""
-    from .run_notebooks import compare_metrics
-    tolerance = tolerance or TOLERANCE
-    nb_tol = nb_tol or NOTEBOOK_TOLERANCE
+    regressions first. Compare jobs are judged by ``arithmetic.compare_runs`` (tokens where the arithmetic promises
+    them, flagged ties apart; each run's median and max L-inf/TVD within its noise class's band), notebook jobs
+    by each metric's rule in the notebook's ``expected_metrics.json``."""
+    from .arithmetic import BANDS, compare_metrics, compare_runs
+    from .run_notebooks import load_expected
+    bands = bands or BANDS
     found = []
     for kind in ("compare", "notebook"):
         now = {r["key"]: r for r in rows[kind]}        # matched by parameters, whatever the job is called
@@ -97,32 +93,26 @@ def changes(rows: dict, base: dict, tolerance: dict | None = None, nb_tol: dict 
                 continue
             if new["status"] != "ok":
                 continue
-            what = []
+            what, ties = [], []
             if kind == "compare":
-                tol = tolerance.get(new["dtype"], tolerance.get("bfloat16" if "16" in new["dtype"] else "float32"))
                 if new["n_tokens"] != old["n_tokens"]:
                     what.append(f"{new['n_tokens']} tokens, baseline {old['n_tokens']}")
-                elif new["n_match"] < old["n_match"]:
-                    what.append(f"token match {new['n_match']}/{new['n_tokens']}, baseline {old['n_match']}/"
-                                f"{old['n_tokens']}")
                 if new["nonfinite"] > old["nonfinite"]:
                     what.append(f"{new['nonfinite']} steps with a non-finite L∞ or TVD, baseline {old['nonfinite']}")
-                if new["baseline_tokens"] != old["baseline_tokens"] and new["n_tokens"] == old["n_tokens"]:
-                    k = next((i for i, (a, b) in enumerate(zip(new["baseline_tokens"], old["baseline_tokens"]))
-                              if a != b), min(len(new["baseline_tokens"]), len(old["baseline_tokens"])))
-                    what.append(f"the unpatched model's greedy tokens changed (first at step {k})")
-                for key, tkey in (("linf_median", "linf"), ("linf_max", "linf"), ("tvd_median", "tvd"),
-                                  ("tvd_max", "tvd")):
-                    if _grew(new[key], old[key], tol[tkey]):
-                        what.append(f"{key} {new[key]:.3g}, baseline {old[key]:.3g} (tolerance {tol[tkey][0]:g} + "
-                                    f"{tol[tkey][1]:g} x baseline)")
+                cmp = compare_runs(new["runs"], old["runs"], new["config"], new["name"], bands)
+                what += [p.removeprefix(new["name"] + " ").removeprefix(new["name"] + ": ") for p in cmp.problems]
+                ties = cmp.ties
             else:
-                problems = compare_metrics({"nb": {"metrics": new.get("metrics")}},
-                                           {"nb": {"metrics": old.get("metrics")}}, nb_tol["rtol"], nb_tol["atol"],
-                                           label="baseline")
-                what += [p.split(": ", 1)[1] for p in problems]
+                stem = Path(new.get("notebook") or "").stem
+                rules = load_expected(Path(new["notebook"]).parent if new.get("notebook") else ".")
+                rules = rules.get("notebooks", {}).get(stem, {}).get("rules", {})
+                what += compare_metrics(new.get("metrics") or {}, old.get("metrics") or {}, rules, label="baseline")
             if what:
                 found.append({"name": new["name"], "kind": kind, "regression": True, "what": "; ".join(what)})
+            elif ties:
+                found.append({"name": new["name"], "kind": kind, "regression": False, "tie": True,
+                              "what": f"{len(ties)} tie(s) flagged, not judged: " + "; ".join(
+                                  t.removeprefix(new["name"] + " ") for t in ties)})
         for jid, new in now.items():
             if jid not in before:
                 found.append({"name": new["name"], "kind": kind, "regression": False, "what": "new in this sweep"})
@@ -155,7 +145,9 @@ def tables(rows: dict) -> dict:
         head = ["job", "status", "seconds", "peak RSS (GB)", "metrics (first four)", "attempt"]
         body = [[r["name"], r["status"] + (f": {r['error']}" if r.get("error") else ""), _fmt(r.get("seconds"), ".1f"),
                  _fmt(r.get("peak_rss_gb"), ".2f"),
-                 ", ".join(f"{k} = {v:.4g}" for k, v in list((r.get("metrics") or {}).items())[:4]) or "–",
+                 ", ".join(f"{k} = {v:.4g}" for k, v in [(k, v) for k, v in (r.get("metrics") or {}).items()
+                                                         if isinstance(v, (int, float)) and not isinstance(v, bool)][:4])
+                 or "–",
                  _fmt(r.get("attempt"))] for r in rows["notebook"]]
         out["notebook"] = (head, body)
     return out
@@ -188,11 +180,13 @@ def build(folder, baseline=None, figures: bool = True) -> dict:
     manifest = read_json(folder / "sweep.json")
     rows = rows_of(folder)
     grid = (manifest or {}).get("grid", {})
-    tolerance = {dt: {k: tuple(v) for k, v in t.items()} for dt, t in (grid.get("tolerance") or TOLERANCE).items()}
-    nb_tol = grid.get("notebook_tolerance") or NOTEBOOK_TOLERANCE
+    from .arithmetic import bands_with
+    bands = bands_with(grid.get("tolerance"))
     base_rows = rows_of(baseline) if baseline else None
-    found = changes(rows, base_rows, tolerance, nb_tol) if base_rows else []
+    found = changes(rows, base_rows, bands) if base_rows else []
     regressions = [c for c in found if c["regression"]]
+    ties = [c for c in found if c.get("tie")]
+    moved = [c for c in found if not c.get("tie")]
     n = {k: len(v) for k, v in rows.items()}
     status = {}
     for r in rows["compare"] + rows["notebook"]:
@@ -210,18 +204,21 @@ def build(folder, baseline=None, figures: bool = True) -> dict:
                      "after an update): " + "; ".join(mixed) + ".")
     md = [f"# {title}", "", lead, lead_env, ""]
     if base_rows is not None:
-        tol_text = "; ".join(f"{dt}: L∞ {t['linf'][0]:g} + {t['linf'][1]:g}×, TVD {t['tvd'][0]:g} + {t['tvd'][1]:g}×"
-                             for dt, t in tolerance.items())
+        tol_text = "; ".join(f"{k}: L∞ {b['linf'].text()}, TVD {b['tvd'].text()}" for k, b in bands.items())
         md += [f"## Against the baseline {baseline}", "",
-               f"{len(regressions)} regression(s), {len(found) - len(regressions)} other change(s). Tolerance "
-               f"(|new − baseline| ≤ abs + rel × |baseline|): {tol_text}; notebook metrics rtol {nb_tol['rtol']:g}, "
-               f"atol {nb_tol['atol']:g}.", ""]
+               f"{len(regressions)} regression(s), {len(moved) - len(regressions)} other change(s), {len(ties)} "
+               f"job(s) with ties flagged (not judged). Tokens are "
+               f"compared where the arithmetic promises them (the baseline's top-2 margin above the logit noise), "
+               f"ties flagged apart; each run's median and max L∞ and TVD within its noise class's band "
+               f"(|new − baseline| ≤ abs + rel × |baseline|): {tol_text}. Notebook metrics: each under its rule "
+               f"in expected_metrics.json.", ""]
+        if not moved:
+            md += ["Nothing moved" + (f" ({len(ties)} job(s) with ties the arithmetic does not promise, flagged "
+                                      f"below)." if ties else "."), ""]
         if found:
             md += _md_table(["job", "kind", "", "what moved"],
-                            [[c["name"], c["kind"], "REGRESSION" if c["regression"] else "change", c["what"]]
-                             for c in found]) + [""]
-        else:
-            md += ["Nothing moved.", ""]
+                            [[c["name"], c["kind"], "REGRESSION" if c["regression"] else "tie" if c.get("tie")
+                              else "change", c["what"]] for c in found]) + [""]
     tabs = tables(rows)
     for kind, (head, body) in tabs.items():
         md += [f"## {kind} jobs", ""] + _md_table(head, body) + [""]
@@ -239,14 +236,15 @@ def build(folder, baseline=None, figures: bool = True) -> dict:
             f"<h1>{html.escape(title)}</h1>", f"<p>{html.escape(lead)} {html.escape(lead_env)}</p>"]
     if base_rows is not None:
         page.append(f"<h2>Against the baseline {html.escape(str(baseline))}</h2><p>{len(regressions)} regression(s), "
-                    f"{len(found) - len(regressions)} other change(s); tolerances as in report.md.</p>")
+                    f"{len(moved) - len(regressions)} other change(s), {len(ties)} job(s) with ties flagged; rules as "
+                    f"in report.md.</p>")
+        if not moved:
+            page.append("<p>Nothing moved.</p>")
         if found:
             page.append("<table><thead><tr><th>job</th><th>kind</th><th></th><th>what moved</th></tr></thead><tbody>"
                         + "".join(f"<tr class='{'reg' if c['regression'] else 'chg'}'><td>{html.escape(c['name'])}"
-                                  f"</td><td>{c['kind']}</td><td>{'REGRESSION' if c['regression'] else 'change'}</td>"
+                                  f"</td><td>{c['kind']}</td><td>{'REGRESSION' if c['regression'] else 'tie' if c.get('tie') else 'change'}</td>"
                                   f"<td>{html.escape(c['what'])}</td></tr>" for c in found) + "</tbody></table>")
-        else:
-            page.append("<p>Nothing moved.</p>")
     for name, fig in figs.items():
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")

@@ -20,8 +20,10 @@ extra sets.
 
 ``--check`` recomputes a fixed subset (prompt 0, the first ``CHECK_TOKENS`` steps of each dtype x variant x
 h_source of the grid's ``main`` group, materialized, through the sweep's own job runner) and compares it with the
-committed JSON: token ids exactly, L-infinity and TVD within ``TOLERANCE`` (the sweep report's, stated in
-``ctxpatch_lite.sweep``); exit status 1, naming every difference, when anything moved.
+committed JSON under the rules of ``ctxpatch_lite.arithmetic`` (the sweep report's too): token ids exactly where
+the arithmetic promises them, ties flagged apart, each run's median and max L-infinity and TVD within the band of
+its noise class; exit status 1, naming every difference, when anything moved. ``make test`` runs it on this
+machine's arithmetic path and once more under ``arithmetic.SECOND_PATH``.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from ctxpatch_lite.algorithm import PatchConfig
 from ctxpatch_lite.claims import spec_of
 from ctxpatch_lite.metrics import format_fraction
 from ctxpatch_lite.protocol import run_protocol
-from ctxpatch_lite.sweep import TOLERANCE, job_records, load_grid, run_job, run_sweep
+from ctxpatch_lite.sweep import job_records, load_grid, run_job, run_sweep
 from ctxpatch_lite.views import load_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,38 +163,34 @@ def main(argv=None):
     return 0
 
 
-def within(measured: float, committed: float, tol: tuple) -> bool:
-    a, r = tol
-    return abs(measured - committed) <= a + r * abs(committed)
-
-
-def compare_steps(name: str, dtype: str, got: list, ref: list) -> list[str]:
-    """Differences between recomputed and committed steps (empty when they agree within ``TOLERANCE``)."""
-    problems = []
-    for g, r in zip(got, ref):
-        for key in ("query_token", "baseline_token", "patched_token"):
-            if g[key] != r[key]:
-                problems.append(f"{name} step {g['step']}: {key} {g[key]} != committed {r[key]}")
-        for key in ("linf", "tvd"):
-            if not within(g[key], r[key], TOLERANCE[dtype][key]):
-                problems.append(f"{name} step {g['step']}: {key} {g[key]:.6g} vs committed {r[key]:.6g} (tolerance "
-                                f"{TOLERANCE[dtype][key][0]:g} + {TOLERANCE[dtype][key][1]:g} x committed)")
-    if len(got) != len(ref):
-        problems.append(f"{name}: {len(got)} steps recomputed, {len(ref)} committed")
-    return problems
-
-
 def check_jobs():
     """The grid's ``main`` group, materialized: each dtype x variant x h_source once."""
     return [j for j in load_grid(GRID)["jobs"] if j.group == "main" and j.params["apply"] == "materialized"]
 
 
 def check(out: Path) -> int:
-    """Recompute prompt 0 x CHECK_TOKENS for each dtype x variant x h_source; compare with the committed runs."""
+    """Recompute prompt 0 x CHECK_TOKENS for each dtype x variant x h_source, and the image set in full; judge each
+    against the committed run by ``arithmetic.compare_runs`` (tokens where the arithmetic promises them, ties
+    flagged; each run's median and max L-inf/TVD within its noise class's band)."""
+    from ctxpatch_lite.arithmetic import arithmetic_path, compare_runs, noise_class
     prompt = load_prompts()[0]
-    problems, n = [], 0
-    worst = {dt: {"linf": 0.0, "tvd": 0.0} for dt in DTYPES}
+    problems, ties, n = [], [], 0
+    worst = {}
     jobs = check_jobs()
+
+    def judge(name, new_run, ref_run, config):
+        nonlocal n
+        cmp = compare_runs([new_run], [ref_run], config, name)
+        w = worst.setdefault(noise_class(config), {})
+        for key, d in cmp.worst.items():
+            for agg, v in d.items():
+                w[f"{key}_{agg}"] = max(w.get(f"{key}_{agg}", 0.0), v)
+        n += cmp.compared
+        problems.extend(cmp.problems)
+        ties.extend(cmp.ties)
+        print(f"{name:<40} {'ok' if cmp.ok else f'{len(cmp.problems)} difference(s)'}"
+              + (f", {len(cmp.ties)} tie(s) flagged" if cmp.ties else ""), flush=True)
+
     for j in jobs:
         name = j.name
         path = out / f"{name}.json"
@@ -206,14 +204,8 @@ def check(out: Path) -> int:
         if outcome["status"]["status"] != "ok":
             problems.append(f"{name}: {outcome['status']['error']}")
             continue
-        steps = outcome["result"]["steps"]
-        found = compare_steps(name, j.dtype, steps, ref_run["steps"][:CHECK_TOKENS])
-        for g, c in zip(steps, ref_run["steps"]):
-            for key in ("linf", "tvd"):
-                worst[j.dtype][key] = max(worst[j.dtype][key], abs(g[key] - c[key]))
-        n += len(steps)
-        problems += found
-        print(f"{name:<40} {'ok' if not found else f'{len(found)} difference(s)'}", flush=True)
+        judge(name, {"prompt_id": prompt["id"], "steps": outcome["result"]["steps"]},
+              {"prompt_id": prompt["id"], "steps": ref_run["steps"][:CHECK_TOKENS]}, committed["config"])
     n_image = 0
     for name, rec in image_records():              # the image set: cheap, so every configuration in full
         n_image += 1
@@ -221,17 +213,18 @@ def check(out: Path) -> int:
         if not path.is_file():
             problems.append(f"{name}: no committed run at {path}")
             continue
-        ref = json.loads(path.read_text())["runs"][0]["steps"]
-        found = compare_steps(name, "float32", rec["runs"][0]["steps"], ref)
-        n += len(ref)
-        problems += found
-        print(f"{name:<40} {'ok' if not found else f'{len(found)} difference(s)'}", flush=True)
+        committed = json.loads(path.read_text())
+        judge(name, rec["runs"][0], committed["runs"][0], committed["config"])
+    path = arithmetic_path()
+    where = f"on {path['cpu_capability']}" + (f" with {path['variables']}" if path["variables"] else "")
+    if ties:
+        print("\n".join(["ties flagged (the arithmetic does not promise these; not failures):"] + ties))
     if problems:
-        print("\n".join(["data/reference no longer matches today's code:"] + problems))
+        print("\n".join([f"data/reference no longer matches today's code ({where}):"] + problems))
         return 1
-    print(f"check passed: {n} steps of {len(jobs) + n_image} configurations match the committed runs "
-          f"(token ids exactly; L-inf/TVD within abs + rel x committed: {TOLERANCE}); largest differences "
-          + ", ".join(f"{dt} L-inf {w['linf']:.2g}, TVD {w['tvd']:.2g}" for dt, w in worst.items()))
+    print(f"check passed {where}: {n} steps of {len(jobs) + n_image} configurations match the committed runs "
+          f"(arithmetic.compare_runs); {len(ties)} tie(s) flagged; largest differences per noise class: "
+          + json.dumps({k: {m: float(f"{v:.3g}") for m, v in w.items()} for k, w in worst.items()}))
     return 0
 
 

@@ -2,6 +2,7 @@
 claim, and the committed reference data is what today's code produces (``reference_runs.py --check``)."""
 import copy
 import json
+import re
 import math
 import subprocess
 import sys
@@ -130,21 +131,6 @@ def test_rendering_is_readable():
     assert len([a for a in fig.axes if a.has_data()]) == sum(len(r["rules"]) for r in rows if r["readings"])
 
 
-def test_check_flags_a_changed_token_and_a_metric_outside_tolerance():
-    from reference_runs import TOLERANCE, compare_steps
-    ref = [{"step": 0, "query_token": 5, "baseline_token": 7, "patched_token": 7, "linf": 1e-5, "tvd": 1e-7}]
-    assert compare_steps("x", "float32", copy.deepcopy(ref), ref) == []
-    moved = copy.deepcopy(ref)
-    moved[0]["patched_token"] = 8
-    assert "patched_token 8 != committed 7" in compare_steps("x", "float32", moved, ref)[0]
-    a, r = TOLERANCE["float32"]["linf"]
-    moved = copy.deepcopy(ref)
-    moved[0]["linf"] = 1e-5 + a + r * 1e-5 + 1e-9
-    assert "linf" in compare_steps("x", "float32", moved, ref)[0]
-    moved[0]["linf"] = 1e-5 + 0.5 * a
-    assert compare_steps("x", "float32", moved, ref) == []
-
-
 @pytest.mark.real
 def test_reference_data_is_what_todays_code_produces():
     """``reference_runs.py --check``: prompt 0 x 5 tokens of each dtype x variant x h_source, and the 9 image runs
@@ -153,4 +139,4 @@ def test_reference_data_is_what_todays_code_produces():
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "reference_runs.py"), "--check"], capture_output=True,
                          text=True, cwd=ROOT, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "check passed: 112 steps of 17 configurations" in res.stdout
+    assert re.search(r"check passed on \w+.*: \d+ steps of 17 configurations", res.stdout), res.stdout[-2000:]

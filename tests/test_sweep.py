@@ -68,15 +68,17 @@ def test_bad_grids_are_refused_before_anything_runs(tmp_path, body, message):
 
 
 def test_bad_tolerances_and_defaults(tmp_path):
-    for text, message in (("tolerance: {float32: 3}\n", "'tolerance' maps a dtype"),
-                          ("tolerance: {float16: {linf: [0.1, 0.1]}}\n", "tolerance.float16 is a new dtype"),
-                          ("tolerance: {float32: {linf: [1]}}\n", "'tolerance' maps a dtype"),
+    for text, message in (("tolerance: {float32: 3}\n", "tolerance.float32 maps linf and/or tvd"),
+                          ("tolerance: {float16: {linf: [0.1, 0.1]}}\n", "tolerance.float16: not a noise class"),
+                          ("tolerance: {float32: {linf: [1]}}\n", "tolerance.float32 maps linf and/or tvd"),
                           ("defaults: {compare: 3}\n", "'defaults' maps a kind")):
         with pytest.raises(GridError, match=message.replace("(", "\\(")):
             load_grid(write_grid(tmp_path, text + "jobs: [{kind: compare, fixed: {paper_prompt: mars}}]\n"))
+    from ctxpatch_lite.arithmetic import BANDS
     g = load_grid(write_grid(tmp_path, "tolerance: {float32: {linf: [0.5, 0]}}\n"
                                        "jobs: [{kind: compare, fixed: {paper_prompt: mars}}]\n"))
-    assert g["tolerance"]["float32"] == {"linf": (0.5, 0), "tvd": (1e-6, 1e-2)}
+    tvd = BANDS["float32"]["tvd"]
+    assert g["tolerance"]["float32"] == {"linf": [0.5, 0.0], "tvd": [tvd.abs, tvd.rel]}
 
 
 def test_only_matching_nothing_is_an_error(tmp_path):
@@ -85,30 +87,35 @@ def test_only_matching_nothing_is_an_error(tmp_path):
         run_sweep(g, tmp_path / "o", only="nosuch", progress=False)
 
 
-def _row(name, key, status="ok", **kw):
+def _row(name, key, status="ok", linf=1e-5, **kw):
+    steps = [{"step": i, "query_token": 10 + i, "baseline_token": 20 + i, "patched_token": 20 + i, "match": True,
+              "linf": linf, "tvd": 1e-6, "margin": 3.0} for i in range(5)]
     base = {"id": f"{name}-{key}", "key": key, "name": name, "group": "g", "status": status, "dtype": "float32",
-            "n_match": 5, "n_tokens": 5, "linf_median": 1e-5, "linf_max": 2e-5, "tvd_median": 1e-6, "tvd_max": 2e-6,
-            "nonfinite": 0, "baseline_tokens": [1, 2, 3, 4, 5], "error": None}
+            "n_match": 5, "n_tokens": 5, "linf_median": linf, "linf_max": linf, "tvd_median": 1e-6, "tvd_max": 1e-6,
+            "nonfinite": 0, "runs": [{"steps": steps}], "config": {"dtype": "float32"}, "error": None}
     return {**base, **kw}
 
 
 def test_changes_match_by_parameters_and_see_nan_missing_and_new():
     nan = float("nan")
+    nb = str(ROOT / "notebooks" / "03_algorithm1.ipynb")   # its rules in expected_metrics.json judge the metrics
     base = {"compare": [_row("a", "k1"), _row("b", "k2"), _row("c", "k3"), _row("d", "k4")],
-            "notebook": [{"id": "n-k9", "key": "k9", "name": "n", "status": "ok", "metrics": {"x": 1.0, "y": 2.0}}]}
+            "notebook": [{"id": "n-k9", "key": "k9", "name": "n", "status": "ok", "notebook": nb,
+                          "metrics": {"top_logit": 1.0, "log2_top": 2}}]}
     now = {"compare": [_row("a-renamed", "k1"),                                   # same parameters, new name
-                       _row("b", "k2", nonfinite=2, linf_max=nan),                 # some steps became NaN
+                       _row("b", "k2", nonfinite=2, linf=nan),                     # the steps became NaN
                        _row("c", "k3", status="incomplete", error="status ok but result.json is missing"),
                        _row("e", "k5")],                                           # new; d is gone
-           "notebook": [{"id": "n-k9", "key": "k9", "name": "n", "status": "ok", "metrics": {"x": nan, "y": 2.0}}]}
+           "notebook": [{"id": "n-k9", "key": "k9", "name": "n", "status": "ok", "notebook": nb,
+                         "metrics": {"top_logit": nan, "log2_top": 2}}]}
     found = {c["name"]: c for c in changes(now, base)}
     assert "a-renamed" not in found and "a" not in found
     assert found["b"]["regression"] and "2 steps with a non-finite" in found["b"]["what"]
-    assert "linf_max nan" in found["b"]["what"]
+    assert "median linf nan" in found["b"]["what"]
     assert found["c"]["regression"] and found["c"]["what"].startswith("status ok -> incomplete")
     assert found["d"]["regression"] and found["d"]["what"] == "in the baseline, not in this sweep"
     assert not found["e"]["regression"] and found["e"]["what"] == "new in this sweep"
-    assert found["n"]["regression"] and "x = nan, baseline 1" in found["n"]["what"]
+    assert found["n"]["regression"] and "top_logit = nan, baseline 1.0" in found["n"]["what"]
     assert [c["regression"] for c in changes(now, base)] == sorted([c["regression"] for c in changes(now, base)],
                                                                    reverse=True)   # regressions first
 
@@ -220,7 +227,7 @@ def test_smoke_grid_runs_and_writes_every_file(smoke_local):
             assert "per_layer" not in r["result"]["steps"][0]["diagnostics"]    # no_per_layer: true
         else:
             assert (d / "notebook.ipynb").is_file() and list((d / "figures").glob("*.png"))
-            assert r["result"]["metrics"]["n_tokens"] == 8 and 0 < r["result"]["peak_rss_gb"] < 1.9
+            assert r["result"]["metrics"]["patched"]["n_tokens"] == 8 and 0 < r["result"]["peak_rss_gb"] < 1.9
 
 
 @pytest.mark.real
@@ -253,6 +260,25 @@ def test_a_rerun_skips_finished_jobs(smoke_local):
 
 
 @pytest.mark.real
+def test_a_rerun_on_another_arithmetic_path_moves_nothing(smoke_local, tmp_path, monkeypatch):
+    """The smoke grid again with every library on another vector width (arithmetic.SECOND_PATH, inherited by the
+    workers and the notebook's kernel): the report judges it by the arithmetic's rules and finds no regression."""
+    from ctxpatch_lite.arithmetic import SECOND_PATH
+    out, _ = smoke_local
+    for k, v in SECOND_PATH.items():
+        monkeypatch.setenv(k, v)
+    second = tmp_path / "second"
+    res = run_sweep(load_grid(GRIDS / "smoke.yaml"), second, workers=2, progress=False)
+    assert res["failed"] == []
+    recs = _steps(second)
+    paths = {r["result"]["config"]["environment"]["arithmetic_path"]["cpu_capability"] for r in recs.values()
+             if r["job"]["kind"] == "compare"}
+    assert paths == {"DEFAULT"}                         # they ran where the records say
+    rep = build(second, baseline=out, figures=False)
+    assert rep["regressions"] == [] and "Nothing moved" in rep["markdown"], rep["markdown"]
+
+
+@pytest.mark.real
 def test_report_flags_a_regression_planted_in_a_copy(smoke_local, tmp_path):
     out, _ = smoke_local
     assert build(out, baseline=out, figures=False)["changes"] == []
@@ -266,24 +292,30 @@ def test_report_flags_a_regression_planted_in_a_copy(smoke_local, tmp_path):
         fn(rec)
         p.write_text(json.dumps(rec))
 
-    def lose_a_token(rec):                             # the patched model misses the last token
+    def lose_a_token(rec):                             # the patched model misses the last token, at a wide margin
         rec["summary"]["n_match"] -= 1
-        rec["steps"][-1]["patched_token"] = -1
+        rec["steps"][-1].update(patched_token=-1, match=False, margin=5.0)
+
+    def scale(key, factor, where=-1):
+        def edit_steps(rec):
+            for s in rec["steps"][where:] if where is not None else rec["steps"]:
+                s[key] *= factor
+        return edit_steps
 
     edit("float32-naive", lose_a_token)
-    edit("float32-stable", lambda rec: rec["summary"].update(linf_max=rec["summary"]["linf_max"] * 100))
-    edit("bfloat16-naive", lambda rec: rec["summary"].update(tvd_median=rec["summary"]["tvd_median"] * 1.02))
-    edit("08-float32", lambda rec: rec["metrics"].update(control_linf_median=rec["metrics"]["control_linf_median"] * 1.01))
+    edit("float32-stable", scale("linf", 100))                  # one step's L-inf x 100: the run's max moves
+    edit("bfloat16-naive", scale("tvd", 1.02, None))            # every TVD +2 %: inside the bfloat16 band
+    edit("08-float32", lambda rec: rec["metrics"]["control"].update(linf_median=rec["metrics"]["control"]["linf_median"] * 1.01))
     st = planted / "jobs" / recs["bfloat16-stable"]["job"]["id"] / "status.json"
     st.write_text(json.dumps({**json.loads(st.read_text()), "status": "failed", "error": "RuntimeError: planted"}))
     found = changes(rows_of(planted), rows_of(out))
     flagged = {c["name"]: c for c in found}
     assert set(flagged) == {"float32-naive", "float32-stable", "08-float32", "bfloat16-stable"}   # TVD +2 %: inside
     assert all(c["regression"] for c in found)
-    assert "token match 4/5, baseline 5/5" in flagged["float32-naive"]["what"]
-    assert "linf_max" in flagged["float32-stable"]["what"] and "tolerance 0.0001 + 0.001" in flagged["float32-stable"]["what"]
+    assert "the patched token no longer matches" in flagged["float32-naive"]["what"]
+    assert "max linf" in flagged["float32-stable"]["what"] and "band for float32" in flagged["float32-stable"]["what"]
     assert "status ok -> failed (RuntimeError: planted)" == flagged["bfloat16-stable"]["what"]
-    assert "control_linf_median" in flagged["08-float32"]["what"]
+    assert "control.linf_median" in flagged["08-float32"]["what"]
     # the other way round, a job that failed in the baseline and finishes now is a change, not a regression
     back = {c["name"]: c for c in changes(rows_of(out), rows_of(planted))}
     assert back["bfloat16-stable"]["regression"] is False
@@ -483,7 +515,9 @@ def test_ray_refuses_a_job_no_node_can_hold(tmp_path, ray_cluster):
 
 def test_notebook_metrics_that_turn_nan_are_flagged_by_the_runners_comparison_too():
     from ctxpatch_lite.run_notebooks import compare_metrics
+    rules = {"notebooks": {"03": {"rules": {"*": "value"}}}}
     old = {"03": {"metrics": {"a": 1.0, "b": float("nan"), "c": float("nan")}}}
     new = {"03": {"metrics": {"a": float("nan"), "b": 2.0, "c": float("nan")}}}
-    assert compare_metrics(new, old, 1e-3, 1e-6) == ["03: a = nan, previous 1", "03: b = 2, previous nan"]
-    assert compare_metrics(old, old, 1e-3, 1e-6) == []
+    found = compare_metrics(new, old, rules)
+    assert len(found) == 2 and found[0].startswith("03: a = nan, previous 1.0") and found[1].startswith("03: b = 2.0")
+    assert compare_metrics(old, old, rules) == []
