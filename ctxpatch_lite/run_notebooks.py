@@ -89,6 +89,40 @@ def stored_outputs(executed: Path, original: Path) -> None:
     nbformat.write(nb, original)
 
 
+TIME_ROW = "| **Time** |"
+
+
+def said_time(seconds: float) -> str:
+    """How a header says a measured time: "about 12 s", or "about 1.6 min" from 90 s up."""
+    return f"about {seconds:.0f} s" if seconds < 90 else f"about {seconds / 60:.1f} min"
+
+
+def write_times(nb_dir: Path, seconds: dict) -> None:
+    """Put measured times into the notebooks' prose: each header's Time row, and the course map (a markdown cell
+    tagged ``course-map``, one table row per lesson linking its notebook, the time in the last column)."""
+    import re
+
+    import nbformat
+    for path in sorted(Path(nb_dir).glob("[0-9][0-9]_*.ipynb")):
+        nb, changed = nbformat.read(path, as_version=4), False
+        for cell in nb.cells:
+            if cell.cell_type != "markdown":
+                continue
+            src = cell.source
+            if path.stem in seconds and TIME_ROW in src:
+                src = re.sub(r"(?m)^\| \*\*Time\*\* \|.*$", f"{TIME_ROW} {said_time(seconds[path.stem])} to execute on 2 "
+                             f"CPU cores (measured with `make run`), plus reading |", src)
+            if "course-map" in cell.metadata.get("tags", []):
+                def row(m):
+                    stem = m.group(2)
+                    return m.group(1) + (said_time(seconds[stem]) if stem in seconds else m.group(3)) + " |"
+                src = re.sub(r"(?m)^(\| \[[^\]]*\]\((\d\d_\w+)\.ipynb\).*\| )([^|]*) \|$", row, src)
+            if src != cell.source:
+                cell.source, changed = src, True
+        if changed:
+            nbformat.write(nb, path)
+
+
 def store(summary: dict, nb_dir: Path, out_dir: Path) -> list[str]:
     """Write this run's metrics into ``expected_metrics.json`` (the rules kept as written) and its seconds into
     ``times.json``; returns the problems that stop it (a failed notebook, a float metric without a rule)."""
@@ -123,6 +157,7 @@ def store(summary: dict, nb_dir: Path, out_dir: Path) -> list[str]:
                          f"{out_dir.name}/summary.json; {sum(times['seconds'].values()):.0f} s for all "
                          f"{len(times['seconds'])}")
     (nb_dir / TIMES).write_text(json.dumps(times, indent=1) + "\n")
+    write_times(nb_dir, times["seconds"])
     return []
 
 

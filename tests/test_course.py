@@ -34,9 +34,9 @@ def test_opens_and_closes_like_a_course(path):
     assert "(NOTATION.md)" in head
     for row in ("**You will learn**", "**You need**", "**Time**"):
         assert row in head, row
+    from ctxpatch_lite.run_notebooks import said_time
     times = json.loads((ROOT / "notebooks" / "times.json").read_text())
-    sec = times["seconds"][path.stem]
-    said = f"about {sec:.0f} s" if sec < 90 else f"about {sec / 60:.1f} min"
+    said = said_time(times["seconds"][path.stem])      # make run ARGS=--store writes both
     assert f"| **Time** | {said} to execute on 2 CPU cores" in head, (said, times["measured"])
     prose = [c for c in nb.cells if c.cell_type == "markdown"]
     assert prose[-1].source.startswith("## Takeaways") and "## Questions to try" in prose[-1].source
