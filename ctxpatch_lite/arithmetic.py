@@ -334,11 +334,12 @@ def flatten(d, prefix: str = "") -> dict:
 
 
 def rule_for(key: str, value, rules: dict):
-    """``(pattern, rule, dtype)`` of one metric: the longest pattern of ``rules`` that matches ``key`` (fnmatch).
+    """``(pattern, rule, dtype)`` of one metric: the most specific pattern of ``rules`` that matches ``key``
+    (fnmatch; the one with the most literal characters, so ``a.1.b`` wins over ``a.*.b``).
     Without one, integers, booleans and strings are exact; a float has no rule (every float needs a stated one)."""
     hits = [p for p in rules if fnmatch.fnmatchcase(key, p)]
     if hits:
-        pattern = max(hits, key=len)
+        pattern = max(hits, key=lambda p: (len(p.replace("*", "").replace("?", "")), len(p)))
         return (pattern, *rule_of(rules[pattern]))
     if isinstance(value, (bool, int, str)) or value is None:
         return "(integers, flags and strings)", RULES["exact"], None

@@ -8,7 +8,9 @@ It reads the weights of one transformers ``Gemma3DecoderLayer`` and recomputes, 
     out = v + post_feedforward_norm(W_down h_g)
 
 with every intermediate returned, so a learner can see where the patches of Theorem 1 act (W_gate, W_up on z;
-the post-feedforward scale m = 1 + w). ``tests/test_block.py`` checks it against the real layer.
+the post-feedforward scale m = 1 + w). The learner writes the forward pass and the RMSNorm in notebook 01; the
+solutions are ``ctxpatch_lite.solutions.gemma_block`` and ``rms_norm``, which this class runs.
+``tests/test_block.py`` checks it against the real layer.
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ from dataclasses import dataclass
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: normalise in float32 (float64 stays float64), scale by (1 + weight), cast back."""
-    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(cdt)
-    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (n * (1.0 + weight.to(cdt))).to(x.dtype)
+from .solutions import gemma_block, rms_norm
+
+
+def unit_rms(y: torch.Tensor, eps: float) -> torch.Tensor:
+    """N(y) = y / sqrt(mean(y^2) + eps), computed as Gemma's RMSNorm computes it: in float32 for the low
+    precisions, in float64 for float64."""
+    from .hooks import unit_rms as n
+    return n(y.to(torch.float64 if y.dtype == torch.float64 else torch.float32), eps)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, factor: float = 1.0) -> torch.Tensor:
@@ -38,7 +42,6 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, factor: float =
 
 @dataclass
 class BlockTrace:
-    attn: torch.Tensor   # attention output before the post-attention norm
     v: torch.Tensor
     z: torch.Tensor
     h_gated: torch.Tensor
@@ -70,8 +73,12 @@ class GemmaBlock:
     def norm(self, name, x):
         return rms_norm(x, self.norms[name], self.eps)
 
-    def attention(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Grouped-query attention of the normed rows ``h`` (T, d) of one sequence over each other (causal, sliding
+        window where the layer has one), at ``positions`` (default 0..T-1): the output before the post-attention
+        norm."""
         T = h.shape[0]
+        positions = torch.arange(T, device=h.device) if positions is None else positions.to(h.device)
         q = (h @ self.Wq.T).view(T, self.n_heads, self.head_dim).transpose(0, 1)   # (H, T, hd)
         k = (h @ self.Wk.T).view(T, self.n_kv, self.head_dim).transpose(0, 1)      # (KV, T, hd)
         v = (h @ self.Wv.T).view(T, self.n_kv, self.head_dim).transpose(0, 1)
@@ -91,14 +98,8 @@ class GemmaBlock:
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> BlockTrace:
         """x: (T, d) residual stream rows of one sequence; positions: (T,) absolute positions (default 0..T-1)."""
-        positions = torch.arange(x.shape[0], device=x.device) if positions is None else positions.to(x.device)
-        attn = self.attention(self.norm("input_layernorm", x), positions)
-        v = x + self.norm("post_attention_layernorm", attn)
-        z = self.norm("pre_feedforward_layernorm", v)
-        h_gated = torch.nn.functional.gelu(z @ self.W_gate.T, approximate="tanh") * (z @ self.W_up.T)
-        h_down = h_gated @ self.W_down.T
-        out = v + self.norm("post_feedforward_layernorm", h_down)
-        return BlockTrace(attn=attn, v=v, z=z, h_gated=h_gated, h_down=h_down, out=out)
+        v, z, h_gated, out = gemma_block(self, x, positions)
+        return BlockTrace(v=v, z=z, h_gated=h_gated, h_down=h_gated @ self.W_down.T, out=out)
 
     __call__ = forward
 

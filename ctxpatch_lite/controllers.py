@@ -157,15 +157,22 @@ class ScaleOutput:
 
     def _scale(self, s, y):
         pd, ad, norm = s.pdtype, s.ad, s.P.output
+        m = ad.scale(norm).to(pd)
         if not self.stable:
             h = ad.normalize(y if s.spec.h_source == "actual" else s.T.mlp_out, norm).to(pd)
-            dm, fb, min_h = safe_divide(s.dv, h)
+            num = s.dv
         else:
             h = ad.normalize(y if s.spec.h_source == "actual" else s.st["h_target"], norm).to(pd)
-            m = ad.scale(norm).to(pd)
-            dm, fb, min_h = safe_divide(s.st["g"] - m * h, h)
+            num = s.st["g"] - m * h
+        dm, fb, min_h = safe_divide(num, h)
+        # A fallback (h_i == 0 exactly) leaves the output's coordinate i short of its target by |num_i|: no scale acts
+        # on a zero. Counted apart: the fallbacks on coordinates whose scale m_i is itself 0 (the stable variant's
+        # target is exactly 0 there), and the size of what the fallbacks leave out.
+        zero = h == 0
         s.patch.output["scale"] = dm
-        s.patch.diag.update(fallbacks=fb, min_abs_h=min_h)
+        s.patch.diag.update(fallbacks=fb, min_abs_h=min_h,
+                            fallbacks_m0=(zero & (m == 0)).sum(-1).to(torch.float64),
+                            fallback_miss=torch.where(zero, num, torch.zeros_like(num)).norm(dim=-1).to(torch.float64))
         if s.materialized:
             s.add(norm.weight, dm[0])
 

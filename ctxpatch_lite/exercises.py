@@ -1,25 +1,29 @@
-"""Exercises for the course: the learner writes the core of the paper in a notebook cell, a check here runs it on
-cases of our choosing and answers with a specific hint when it is wrong.
+"""The course's exercise checks, the ARENA way: the learner writes the key construction in a notebook cell (a stub
+that raises ``NotImplementedError`` until written), and a check here tests the *property* the exercise states, so
+that every correct answer passes and a wrong one gets a hint that names the mistake.
 
-Four exercises, each with its reference solution (the notebooks keep the solutions in collapsed cells, so papermill
-and nbval run them as written here):
+Each ``check_*`` returns a ``Checked``: it calls like the function the rest of the notebook should use (the learner's
+once it passes, else the package's solution from ``ctxpatch_lite.solutions``), and carries ``own`` (whose it is)
+and ``report`` (the numbers the check printed, for the notebook's metrics). While the stub still raises, the check
+says so and verifies the solution instead, so a headless run (papermill, nbval, ``make run``) goes on
+deterministically to the end.
 
-=====================  ============================================  ==========================================
-exercise               the learner writes                            checked by
-=====================  ============================================  ==========================================
-1 input patch (02)     ``input_patch(W, z, z_C) -> dW``              ``check_input_patch``
-2 scale patch (02)     ``scale_patch(v, v_C, h, m) -> dm``           ``check_scale_patch``
-3 bisection (04)       ``bisection_step(lo, hi, g, m) -> (lo, hi)``  ``check_bisection_step``
-4 Algorithm 1 (03)     ``algorithm1(model, ids, tools) -> logits``   ``check_algorithm1``
-=====================  ============================================  ==========================================
-
-A check prints one line starting with ✓ when every case passes, and otherwise raises ``ExerciseError`` (an
-``AssertionError``) whose message says what was wrong and what to do. Typical wrong answers are recognised by
-running their known forms on the same cases (``_diagnose``); anything else gets the first failing case's numbers.
-
-Exercise 4 runs on a from-scratch Gemma 3 (``ctxpatch_lite.block.GemmaBlock``, notebook 01): ``TOOLS`` holds the
-pieces (the full-context targets, one patched block built from exercises 1 and 2, the output head) and the learner
-writes the loop over layers, the part that makes Algorithm 1 self-correcting.
+=====================  ===============================================  =================================================
+check                  the property                                     typical mistakes it names
+=====================  ===============================================  =================================================
+``check_rms_norm``     equals transformers' ``Gemma3RMSNorm``            w for 1 + w, no epsilon, sum for mean, centring,
+                       (float32, bfloat16, float64)                     bfloat16 arithmetic, the wrong axis or dtype
+``check_gemma_block``  v, z, h_g, out equal ``Gemma3DecoderLayer``'s     a missing residual or norm, exact GELU, gate and
+                       on every layer of the model given                up swapped, residual from x instead of v
+``check_input_patch``  shape, rank <= 1, (W + dW) z = W z_C; says        sign, ||z|| for ||z||^2, z_C on the right, the
+                       whether it is the minimum-norm one               transpose, a rank-2 patch
+``check_scale_patch``  v + (m + dm) h = v_C + m h where h_i != 0;       sign, dividing by m h, m + dm, the 1 + w offset,
+                       any finite dm_i where h_i = 0                    a non-finite dm_i at h_i = 0
+``check_algorithm1``   every layer patched, in order, from the patched  the oracle input, the embedding fed twice, a
+                       layer below (any position: one token alone)      missing layer, wrong targets, no patches
+``check_secular_root`` mu < min m^2 and mean(y(mu)^2) = 1               the branch above min m^2, sum for mean, an
+                                                                        unsquared denominator, m for m^2
+=====================  ===============================================  =================================================
 """
 from __future__ import annotations
 
@@ -29,55 +33,407 @@ from typing import Callable
 
 import torch
 
+from . import solutions
+
 
 class ExerciseError(AssertionError):
     """A learner's answer failed a check; the message is the hint."""
 
 
-# ---------------------------------------------------------------------------------------------- reference solutions
-def input_patch(W: torch.Tensor, z: torch.Tensor, z_C: torch.Tensor) -> torch.Tensor:
-    """Eq. 2-3: dW = W (z_C - z) z^T / ||z||^2, so that (W + dW) z = W z_C. W (out, in); z, z_C (in,)."""
-    return torch.outer(W @ (z_C - z), z) / z.dot(z)
+class Checked:
+    """What a check returns: the function the notebook goes on with (call it as before), whose it is, and the
+    numbers the check printed."""
+
+    def __init__(self, name: str, fn: Callable, own: bool, report: dict):
+        self.name, self.fn, self.own, self.report = name, fn, own, {**report, "own": own}
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self):
+        return f"<{self.name}: {'yours, checked' if self.own else 'the package solution (yours is not written yet)'}>"
 
 
-def scale_patch(v: torch.Tensor, v_C: torch.Tensor, h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """dm = (v_C - v) / h, dividing by 1 where h_i == 0 exactly (the paper's guard), so that
-    v + (m + dm) * h = v_C + m * h wherever h_i != 0. ``m`` is not needed: dm is a change of the scale, the same
-    whether the model stores m or w = m - 1 (it is in the signature because forgetting that is a typical error)."""
-    return (v_C - v) / torch.where(h == 0, torch.ones_like(h), h)
+def _is_stub(fn: Callable, args: tuple) -> bool:
+    try:
+        fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    except NotImplementedError:
+        return True
+    except Exception:  # noqa: BLE001 - the learner's own error: the check names it
+        return False
+    return False
 
 
-def secular(mu: float, g: torch.Tensor, m: torch.Tensor) -> float:
-    """F(mu) = mean_k (g_k m_k)^2 / (m_k^2 - mu)^2 - 1, increasing on (-inf, min m^2) (Appendix B)."""
-    return float(((g * m) ** 2 / (m ** 2 - mu) ** 2).mean() - 1)
+def _begin(name: str, fn: Callable, first_case: tuple) -> tuple[Callable, bool]:
+    """The function to verify, and whether it is the learner's: the stub's solution while it still raises."""
+    if fn is None or _is_stub(fn, first_case):
+        print(f"… {name} is not written yet (it raises NotImplementedError): this notebook goes on with the package's "
+              f"solution, ctxpatch_lite.solutions.{name}. Write yours in the cell above and run both cells again.")
+        return getattr(solutions, name), False
+    return fn, True
 
 
-def bisection_step(lo: float, hi: float, g: torch.Tensor, m: torch.Tensor) -> tuple[float, float]:
-    """One step of bisection for the root of F on [lo, hi] (F(lo) < 0 < F(hi)): halve the interval, keep the half
-    where F changes sign. F increases, so F(mid) < 0 means the root lies to the right of mid."""
-    mid = 0.5 * (lo + hi)
-    return (mid, hi) if secular(mid, g, m) < 0 else (lo, mid)
+def _whose(own: bool) -> str:
+    return "yours" if own else "the solution"
 
 
-def algorithm1(model, ids: list, tools=None) -> torch.Tensor:
-    """Algorithm 1 for the last token of ``ids``: every layer patched from the actual output of the patched layer
-    below, on the query alone; returns the next-token logits."""
-    tools = tools or TOOLS
-    targets = tools.full_context_targets(model, ids)      # one record per layer: v_C, z_C at the query
-    x = tools.query_embedding(model, ids)                  # the query token alone
-    position = len(ids) - 1
-    for layer, block in enumerate(tools.blocks(model)):
-        x = tools.theorem1_block(block, x, position, targets[layer])
-    return tools.logits(model, x)
+def _call(fn: Callable, args: tuple, name: str):
+    try:
+        return fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    except ExerciseError:
+        raise
+    except Exception as exc:                                       # the learner's own error, named, not hidden
+        raise ExerciseError(f"{name} raised {type(exc).__name__}: {exc}") from exc
 
 
-# ------------------------------------------------------------------------------- the from-scratch pieces (exercise 4)
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def _close(a, b, tol: float) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and bool(torch.isfinite(a).all()) and _rel(a, b) <= tol)
+
+
+def _hint(out, wrong: dict, tol: float) -> str | None:
+    """The hint of the first known wrong answer whose result ``out`` reproduces (``wrong``: hint -> its result)."""
+    for hint, expected in wrong.items():
+        try:
+            if _close(out, expected, tol):
+                return hint
+        except Exception:  # noqa: BLE001 - a wrong form that cannot be computed on this case
+            continue
+    return None
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- 01: RMSNorm
+def _rms_cases() -> list:
+    out = []
+    for seed, (dtype, scale) in enumerate([("float32", 3.0), ("float32", 1e-3), ("bfloat16", 40.0),
+                                          ("float64", 1.0)]):
+        g = _gen(50 + seed)
+        x = (scale * torch.randn(5, 24, generator=g, dtype=torch.float64)).to(getattr(torch, dtype))
+        w = (0.4 * torch.randn(24, generator=g, dtype=torch.float64)).to(getattr(torch, dtype))
+        out.append((x, w, 1e-6))
+    return out
+
+
+def _gemma3_rmsnorm(x, w, eps, float64_arithmetic: bool = False):
+    """transformers' own Gemma3RMSNorm with weight ``w``. The class computes in float32 whatever the input, float64
+    included; ``float64_arithmetic``: the same formula in float64 instead (the course's exact float64 toys)."""
+    if float64_arithmetic:
+        return solutions.rms_norm(x, w, eps)
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    norm = Gemma3RMSNorm(x.shape[-1], eps=eps).to(x.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+        return norm(x)
+
+
+def check_rms_norm(fn: Callable | None) -> Checked:
+    """01: ``fn(x, w, eps)`` must equal transformers' ``Gemma3RMSNorm`` with weight ``w``: normalise each row to unit
+    RMS in float32, scale by ``1 + w``, cast back to ``x``'s dtype. A float64 input may be computed in float64 (the
+    course's solution, for the exact toys) or in float32 as the class does: both pass, the second with a note."""
+    cases = _rms_cases()
+    fn, own = _begin("rms_norm", fn, cases[0])
+    worst, float32_inside = 0.0, False
+    for x, w, eps in cases:
+        out = _call(fn, (x, w, eps), "rms_norm")
+        want = _gemma3_rmsnorm(x, w, eps)
+        if x.dtype == torch.float64 and isinstance(out, torch.Tensor) and out.shape == x.shape:
+            exact = _gemma3_rmsnorm(x, w, eps, float64_arithmetic=True)     # float64 kept: what the toys need
+            if _rel(out, exact) <= 1e-12:
+                want = exact
+            elif _rel(out, want) <= 1e-6:
+                float32_inside = True
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+            raise ExerciseError(f"rms_norm must return a tensor of x's shape {tuple(x.shape)}; got "
+                                f"{getattr(out, 'shape', type(out).__name__)}")
+        if out.dtype != x.dtype:
+            raise ExerciseError(f"rms_norm returned {out.dtype} for a {x.dtype} input: compute in float32, then cast "
+                                f"back to x's dtype (.to(x.dtype)), as Gemma's RMSNorm does")
+        tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 0.0}[x.dtype]
+        if x.dtype == torch.float64 and want is not exact:
+            tol = 1e-6                                   # transformers' arithmetic: float32 inside
+        if _rel(out, want) > tol:
+            xf = x.double()
+            unit = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            wf = w.double()
+            wrong = {
+                "Gemma's RMSNorm scales by 1 + w (it stores w, the offset from 1), not by w.": unit * wf,
+                "The RMS is over the last axis, one row at a time: mean(x², dim=-1, keepdim=True).":
+                    xf / torch.sqrt(xf.pow(2).mean(0, keepdim=True) + eps) * (1 + wf),
+                "Divide by the root of the *mean* of x² (the RMS), not of the sum: the sum is d times larger.":
+                    xf / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + eps) * (1 + wf),
+                "The epsilon goes inside the root: sqrt(mean(x²) + eps); it matters when x is small.":
+                    xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True)) * (1 + wf),
+                "An RMSNorm does not centre: no mean subtraction (that is LayerNorm).":
+                    (xf - xf.mean(-1, keepdim=True)) / torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + eps)
+                    * (1 + wf),
+            }
+            if x.dtype == torch.bfloat16:
+                wrong["Normalise in float32 and cast back at the end: Gemma computes its RMSNorms in float32 even for "
+                      "a bfloat16 model (x.float(), then .to(x.dtype))."] = (
+                    x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)).double()
+            hint = _hint(out.double(), wrong, 1e-3 if x.dtype != torch.float64 else 1e-9)
+            raise ExerciseError(hint or f"on a {x.dtype} case rms_norm differs from Gemma3RMSNorm by {_rel(out, want):.2e}"
+                                        f" (relative): y = x / sqrt(mean(x², last axis) + eps) * (1 + w), in float32")
+        worst = max(worst, _rel(out, want))
+    print(f"✓ rms_norm ({_whose(own)}) equals transformers' Gemma3RMSNorm on {len(cases)} cases (float32, a small x "
+          f"where eps matters, bfloat16 bit for bit, float64); largest relative difference {worst:.1e}")
+    if float32_inside:
+        print("  note: on the float64 case yours computes in float32, as transformers' class does (x.float()). "
+              "That is right for the model; lesson 02's float64 toy block would then be exact only to about 1e-7.")
+    return Checked("rms_norm", fn, own, {"cases": len(cases), "max_rel_difference": worst})
+
+
+# ---------------------------------------------------------------------------------------------- 01: the block
+@torch.no_grad()
+def _layer_values(model, ids) -> list:
+    """Per decoder layer of a real Gemma 3 forward: its input rows x and what Gemma3DecoderLayer computes for
+    v (the pre-feed-forward norm's input), z (its output), h_g (the down projection's input) and out."""
+    from .families import Adapter
+    ad, store, hooks = Adapter(model), [], []
+    for P in ad.parts:
+        s = {}
+        store.append(s)
+        hooks += [P.layer.register_forward_pre_hook(lambda m, a, k, s=s: s.__setitem__("x", (a[0] if a else
+                                                   k["hidden_states"])[0].clone()), with_kwargs=True),
+                  P.v_site.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("v", a[0][0].clone())),
+                  P.v_site.register_forward_hook(lambda m, a, o, s=s: s.__setitem__("z", o[0].clone())),
+                  P.down.register_forward_pre_hook(lambda m, a, s=s: s.__setitem__("h_g", a[0][0].clone())),
+                  P.layer.register_forward_hook(lambda m, a, o, s=s: s.__setitem__(
+                      "out", (o[0] if isinstance(o, tuple) else o)[0].clone()))]
+    try:
+        model(input_ids=torch.as_tensor(ids, device=next(model.parameters()).device).reshape(1, -1),
+              use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return store
+
+
+# Relative tolerance of the block check per dtype: float32 rounding (measured 4.8e-7 on the embedded model); in bfloat16
+# a few ulps (2^-8 = 3.9e-3 each) after one layer of sums in another order (measured 1.7e-2 with the solution).
+_BLOCK_TOL = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 6e-2}
+
+
+def _block_hints(got: dict, want: dict, x, block, rms) -> dict:
+    """Known wrong forms of each quantity, computed from the right values of the ones before it."""
+    n, eps = block.norms, block.eps
+    attn = block.attention(rms(x, n["input_layernorm"], eps), None)
+    v, z, h_g = want["v"], want["z"], want["h_g"]
+    gelu = torch.nn.functional.gelu
+    return {
+        "v": {"v is x plus the normed attention output: you left out the residual x.":
+              rms(attn, n["post_attention_layernorm"], eps),
+              "v = x + RMSNorm_post-attn(attention): the attention output goes through the post-attention norm "
+              "before it is added.": x + attn},
+        "z": {"z is the pre-feed-forward RMSNorm of v (the MLP's input): you used v itself.": v,
+              "z is the pre-feed-forward norm of v, not of the block input x.": rms(x, n["pre_feedforward_layernorm"], eps)},
+        "h_g": {"Gemma uses the tanh approximation of GELU: gelu(..., approximate='tanh').":
+                gelu(z @ block.W_gate.T) * (z @ block.W_up.T),
+                "GELU acts on the gate projection, W_gate z; the up projection W_up z multiplies it unchanged.":
+                gelu(z @ block.W_up.T, approximate="tanh") * (z @ block.W_gate.T),
+                "The gated hidden is the elementwise product GELU(W_gate z) ⊙ (W_up z), both on z (the MLP input), "
+                "not on v.": gelu(v @ block.W_gate.T, approximate="tanh") * (v @ block.W_up.T)},
+        "out": {"out = v + RMSNorm_post-FF(W_down h_g): the MLP output goes through the post-feed-forward norm (its "
+                "scale m is what Theorem 1 patches).": v + h_g @ block.W_down.T,
+                "out adds the residual v (after attention), not the block input x.":
+                x + rms(h_g @ block.W_down.T, n["post_feedforward_layernorm"], eps),
+                "out is v plus the normed MLP output: you left out the residual v.":
+                rms(h_g @ block.W_down.T, n["post_feedforward_layernorm"], eps)},
+    }
+
+
+def check_gemma_block(fn: Callable | None, model, ids: list, rms_norm: Callable | None = None) -> Checked:
+    """01: ``fn(block, x, positions)`` must return ``(v, z, h_g, out)`` as ``Gemma3DecoderLayer`` computes them, on
+    every layer of ``model`` (its real activations for the prompt ``ids``; ``block`` a ``GemmaBlock`` holding the
+    layer's weights, with ``attention`` given). ``rms_norm``: the learner's (checked), for the hints."""
+    from .block import GemmaBlock
+
+    rms = rms_norm or solutions.rms_norm
+    values = _layer_values(model, ids)
+    blocks = [GemmaBlock(layer, model.config, i) for i, layer in enumerate(model.model.layers)]
+    fn, own = _begin("gemma_block", fn, (blocks[0], values[0]["x"], None))
+    worst = {k: 0.0 for k in ("v", "z", "h_g", "out")}
+    dtype = values[0]["x"].dtype
+    tol = _BLOCK_TOL.get(dtype, 1e-5)
+    with torch.no_grad():
+        for l, (block, want) in enumerate(zip(blocks, values)):
+            out = _call(fn, (block, want["x"], None), "gemma_block")
+            if not (isinstance(out, (tuple, list)) and len(out) == 4):
+                raise ExerciseError("gemma_block must return the four rows (v, z, h_g, out), in that order")
+            got = dict(zip(("v", "z", "h_g", "out"), out))
+            for key in ("v", "z", "h_g", "out"):
+                g, w = got[key], want[key]
+                if not isinstance(g, torch.Tensor) or g.shape != w.shape:
+                    raise ExerciseError(f"layer {l}: {key} has shape {tuple(getattr(g, 'shape', ()))}, "
+                                        f"Gemma3DecoderLayer's {tuple(w.shape)}")
+                err = _rel(g, w)
+                if err > tol:
+                    hint = _hint(g, _block_hints(got, want, want["x"], block, rms)[key], max(1e-4, tol / 4))
+                    raise ExerciseError(f"layer {l}: {key} differs from Gemma3DecoderLayer's by {err:.1e} (relative; "
+                                        f"the check allows {tol:g}). " + (hint or "Compare with the equations "
+                                        "above, one line per quantity."))
+                worst[key] = max(worst[key], err)
+    print(f"✓ gemma_block ({_whose(own)}): v, z, h_g and out equal Gemma3DecoderLayer's on all {len(blocks)} layers "
+          f"of this model ({len(ids)} tokens); largest relative difference {max(worst.values()):.1e} (allowed "
+          f"{tol:g}, {str(dtype).removeprefix('torch.')} rounding)")
+    return Checked("gemma_block", fn, own, {"layers": len(blocks), "tokens": len(ids), "max_rel_difference": worst,
+                                             "allowed": tol})
+
+
+# ---------------------------------------------------------------------------------------------- 02: input patch
+def _input_cases() -> list:
+    out = []
+    for seed, (n_out, n_in) in enumerate([(5, 4), (7, 3), (12, 8)]):
+        g = _gen(100 + seed)
+        W = torch.randn(n_out, n_in, generator=g, dtype=torch.float64)
+        z = torch.randn(n_in, generator=g, dtype=torch.float64)
+        out.append((W, z, z + 0.5 * torch.randn(n_in, generator=g, dtype=torch.float64)))
+    return out
+
+
+def _input_wrong(W, z, zc) -> dict:
+    return {
+        "ΔW moves W z towards W z_C: the left factor is W(z_C − z), not W(z − z_C) (check the sign).":
+            torch.outer(W @ (z - zc), z) / z.dot(z),
+        "Divide by ‖z‖² (z·z), not by ‖z‖: only then is ΔW z = W(z_C − z)(z·z)/‖z‖² = W(z_C − z) exactly.":
+            torch.outer(W @ (zc - z), z) / z.norm(),
+        "The outer product needs the normalisation 1/‖z‖²: without it ΔW z = W(z_C − z)·‖z‖².":
+            torch.outer(W @ (zc - z), z),
+        "The right factor must be z, the input the patched matrix sees (the query alone), not z_C: ΔW z must be "
+        "W(z_C − z).": torch.outer(W @ (zc - z), zc) / zc.dot(zc),
+        "The right factor is z, and so is the normalisation: divide by ‖z‖², not ‖z_C‖².":
+            torch.outer(W @ (zc - z), z) / zc.dot(zc),
+    }
+
+
+def check_input_patch(fn: Callable | None) -> Checked:
+    """02: ``fn(W, z, z_C)`` must return ``dW`` of W's shape, of rank <= 1, with ``(W + dW) z = W z_C``. Every
+    such matrix passes; the check says whether it is the paper's, W(z_C - z) z^T / ||z||^2, the one with the
+    smallest Frobenius norm."""
+    cases = _input_cases()
+    fn, own = _begin("input_patch", fn, cases[0])
+    minimal, worst = [], 0.0
+    for W, z, zc in cases:
+        out = _call(fn, (W, z, zc), "input_patch")
+        if not isinstance(out, torch.Tensor):
+            raise ExerciseError(f"input_patch must return a tensor (ΔW), got {type(out).__name__}")
+        if out.shape == W.T.shape and out.shape != W.shape:
+            raise ExerciseError(f"ΔW has shape {tuple(out.shape)}, the transpose of W's {tuple(W.shape)}: the left "
+                                f"factor W(z_C − z) has W's {W.shape[0]} outputs, the right factor z its {W.shape[1]} "
+                                "inputs (torch.outer(left, right))")
+        if out.shape == (W.shape[1], W.shape[1]) and out.shape != W.shape:
+            raise ExerciseError(f"ΔW has shape {tuple(out.shape)} (in × in): the left factor is W(z_C − z), a vector "
+                                f"of W's {W.shape[0]} outputs, not z_C − z")
+        if out.shape != W.shape:
+            raise ExerciseError(f"ΔW must have W's shape {tuple(W.shape)}; got {tuple(out.shape)}")
+        out = out.double()
+        err = _rel((W + out) @ z, W @ zc)
+        if not torch.isfinite(out).all() or err > 1e-9:
+            hint = _hint(out, _input_wrong(W, z, zc), 1e-9)
+            raise ExerciseError(hint or f"(W + ΔW) z should equal W z_C; on a {tuple(W.shape)} case they differ by "
+                                        f"{err:.2e} (relative). Ask what ΔW must do to z: ΔW z = W(z_C − z).")
+        s = torch.linalg.svdvals(out)
+        if s.numel() > 1 and float(s[1]) > 1e-9 * float(s[0]):
+            raise ExerciseError(f"(W + ΔW) z = W z_C holds, but ΔW has rank {int((s > 1e-9 * s[0]).sum())} (its "
+                                f"singular values: {', '.join(f'{x:.2g}' for x in s[:3].tolist())}): Theorem 1's "
+                                "patch is one outer product u aᵀ. Drop whatever acts on the directions orthogonal to z.")
+        paper = solutions.input_patch(W, z, zc)
+        minimal.append(_rel(out, paper) <= 1e-9)
+        worst = max(worst, err)
+    if all(minimal):
+        note = "it is the paper's patch W(z_C − z)zᵀ/‖z‖², the smallest (in Frobenius norm) with this property"
+    else:
+        W, z, zc = cases[0]
+        ours, paper = float(_call(fn, (W, z, zc), "input_patch").double().norm()), float(solutions.input_patch(
+            W, z, zc).norm())
+        note = (f"correct, and not the paper's: on the first case ‖ΔW‖_F = {ours:.3g}, while the paper's "
+                f"W(z_C − z)zᵀ/‖z‖² has {paper:.3g}, the smallest of all patches with ΔW z = W(z_C − z)")
+    print(f"✓ input_patch ({_whose(own)}): (W + ΔW) z = W z_C on {len(cases)} cases (largest relative error "
+          f"{worst:.1e}), ΔW of rank 1; {note}")
+    return Checked("input_patch", fn, own, {"cases": len(cases), "max_error": worst, "minimum_norm": all(minimal)})
+
+
+# ---------------------------------------------------------------------------------------------- 02: scale patch
+def _scale_cases() -> list:
+    out = []
+    for seed, n in enumerate([4, 6, 9]):
+        g = _gen(200 + seed)
+        v = torch.randn(n, generator=g, dtype=torch.float64)
+        v_C = v + torch.randn(n, generator=g, dtype=torch.float64)
+        h = torch.randn(n, generator=g, dtype=torch.float64)
+        if seed:                                                   # an exact zero: the guard's case
+            h[seed] = 0.0
+        m = 1.0 + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+        out.append((v, v_C, h, m))
+    return out
+
+
+def _scale_wrong(v, vc, h, m) -> dict:
+    dm = solutions.scale_patch(v, vc, h, m)
+    return {
+        "Δm adds v_C − v to the block output: use (v_C − v), not (v − v_C) (check the sign).": -dm,
+        "The block adds (m + Δm) ⊙ h, so Δm ⊙ h alone must equal v_C − v: divide by h, not by m ⊙ h.":
+            solutions.scale_patch(v, vc, h * m, m),
+        "You returned the new scale m + Δm; return the patch Δm itself (it is added to the stored weight).": m + dm,
+        "Off by the 1 + w offset: Δm is a change of the scale, the same for m and for w = m − 1. Return (v_C − v) / h "
+        "with no ±1.": dm - 1,
+        "Off by the 1 + w offset (the other way): Δm is a change of the scale, no +1.": dm + 1,
+    }
+
+
+def check_scale_patch(fn: Callable | None) -> Checked:
+    """02: ``fn(v, v_C, h, m)`` must return ``dm`` with ``v + (m + dm) h = v_C + m h`` wherever ``h_i != 0``. Where
+    ``h_i = 0`` exactly no scale acts, so any finite ``dm_i`` is correct; the paper divides by 1 there."""
+    cases = _scale_cases()
+    fn, own = _begin("scale_patch", fn, cases[0])
+    worst, zeros, paper_at_zero = 0.0, 0, True
+    for v, vc, h, m in cases:
+        out = _call(fn, (v, vc, h, m), "scale_patch")
+        if not isinstance(out, torch.Tensor) or out.shape != v.shape:
+            raise ExerciseError(f"scale_patch must return a tensor of v's shape {tuple(v.shape)} (one Δm_i per "
+                                f"coordinate); got {getattr(out, 'shape', type(out).__name__)}")
+        out = out.double()
+        if not torch.isfinite(out).all():
+            k = int((~torch.isfinite(out)).nonzero()[0])
+            raise ExerciseError(f"Δm is not finite at coordinate {k}, where h_{k} = {float(h[k])}. Where h_i = 0 no "
+                                "scale can act, so any finite Δm_i is correct; the paper divides by 1 there "
+                                "(torch.where(h == 0, 1, h)), and the engine counts each such coordinate as a fallback")
+        nz = h != 0
+        lhs, rhs = v + (m + out) * h, vc + m * h
+        err = float((lhs - rhs)[nz].abs().max() / rhs[nz].abs().max())
+        if err > 1e-12:
+            hint = _hint(out, _scale_wrong(v, vc, h, m), 1e-12)
+            raise ExerciseError(hint or f"v + (m + Δm) ⊙ h should equal v_C + m ⊙ h where h_i ≠ 0; they differ by "
+                                        f"{err:.2e} (relative)")
+        zeros += int((~nz).sum())
+        paper_at_zero &= bool(torch.equal(out[~nz], (vc - v)[~nz]))
+        worst = max(worst, err)
+    note = ("at those coordinates any finite value is right (no scale can act on a zero; the block output misses "
+            "(v_C − v)_i whatever Δm_i is), and " + ("yours divides by 1 there, as the paper does" if paper_at_zero
+                                                      else "the paper divides by 1 there, Δm_i = (v_C − v)_i; "
+                                                           "yours puts another finite value"))
+    print(f"✓ scale_patch ({_whose(own)}): v + (m + Δm) ⊙ h = v_C + m ⊙ h on {len(cases)} cases (largest relative "
+          f"error {worst:.1e}); {zeros} coordinates with h_i = 0 exactly: {note}")
+    return Checked("scale_patch", fn, own, {"cases": len(cases), "max_error": worst, "zeros": zeros,
+                                            "divides_by_1_at_zeros": paper_at_zero})
+
+
+# ------------------------------------------------------------------------------- 03: the from-scratch pieces
 def blocks(model) -> list:
     """One ``GemmaBlock`` per decoder layer of a Gemma 3 model (they share the model's weights)."""
     from .block import GemmaBlock
 
-    layers = model.model.layers
-    return [GemmaBlock(layer, model.config, i) for i, layer in enumerate(layers)]
+    return [GemmaBlock(layer, model.config, i) for i, layer in enumerate(model.model.layers)]
 
 
 @torch.no_grad()
@@ -104,30 +460,6 @@ def query_embedding(model, ids: list) -> torch.Tensor:
     return embed(model, ids[-1:])[0]
 
 
-def unit_rms(y: torch.Tensor, eps: float) -> torch.Tensor:
-    """N(y) = y / sqrt(mean(y^2) + eps), computed like Gemma's RMSNorm (float32 for low precisions)."""
-    cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
-    yf = y.to(cdt)
-    return yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
-
-
-@torch.no_grad()
-def theorem1_block(block, x: torch.Tensor, position: int, target) -> torch.Tensor:
-    """One block run on the query row ``x`` alone (at absolute ``position``), patched by Theorem 1 against the
-    full-context ``target`` (``v_C``, ``z_C``): the input patches of exercise 1, then the scale patch of exercise 2
-    on the h the patched MLP computes. Returns the block's output row."""
-    tr = block(x[None], positions=torch.tensor([position]))
-    v, z = tr.v[0], tr.z[0]
-    W_gate = block.W_gate + input_patch(block.W_gate, z, target.z_C)
-    W_up = block.W_up + input_patch(block.W_up, z, target.z_C)
-    h_gated = torch.nn.functional.gelu(W_gate @ z, approximate="tanh") * (W_up @ z)
-    h = unit_rms(block.W_down @ h_gated, block.eps)
-    cdt = h.dtype
-    m = 1.0 + block.norms["post_feedforward_layernorm"].to(cdt)
-    dm = scale_patch(v.to(cdt), target.v_C.to(cdt), h, m)
-    return (v.to(cdt) + (m + dm) * h).to(x.dtype)
-
-
 @torch.no_grad()
 def logits(model, x: torch.Tensor) -> torch.Tensor:
     """The output head on one residual row: final RMSNorm, unembedding, Gemma's logit soft-capping if configured."""
@@ -136,240 +468,32 @@ def logits(model, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(out / cap) * cap if cap else out
 
 
-TOOLS = SimpleNamespace(blocks=blocks, full_context_targets=full_context_targets, query_embedding=query_embedding,
-                        theorem1_block=theorem1_block, logits=logits)
+def make_tools(input_patch: Callable = solutions.input_patch, scale_patch: Callable = solutions.scale_patch):
+    """The pieces the Algorithm 1 loop is written with (notebook 03), with ``theorem1_block`` built from the given
+    patch functions (the learner's from notebook 02, or the package's)."""
+    from .block import unit_rms
+
+    @torch.no_grad()
+    def theorem1_block(block, x: torch.Tensor, position: int, target) -> torch.Tensor:
+        """One block on the query row ``x`` alone (at its absolute ``position``), patched by Theorem 1 against the
+        full-context ``target``: the input patches, then the scale patch on the h the patched MLP computes."""
+        tr = block(x[None], positions=torch.tensor([position]))
+        v, z = tr.v[0], tr.z[0]
+        W_gate = block.W_gate + input_patch(block.W_gate, z, target.z_C)
+        W_up = block.W_up + input_patch(block.W_up, z, target.z_C)
+        h_gated = torch.nn.functional.gelu(W_gate @ z, approximate="tanh") * (W_up @ z)
+        h = unit_rms(block.W_down @ h_gated, block.eps)             # N(W_down h_g), in the norm's dtype
+        m = 1.0 + block.norms["post_feedforward_layernorm"].to(h.dtype)
+        dm = scale_patch(v.to(h.dtype), target.v_C.to(h.dtype), h, m)
+        return (v.to(h.dtype) + (m + dm) * h).to(x.dtype)
+
+    return SimpleNamespace(blocks=blocks, full_context_targets=full_context_targets, query_embedding=query_embedding,
+                           theorem1_block=theorem1_block, logits=logits)
 
 
-# ------------------------------------------------------------------------------------------------ check machinery
-def _run(fn: Callable, cases: list, name: str) -> list:
-    outs = []
-    for args in cases:
-        try:
-            outs.append(fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
-        except ExerciseError:
-            raise
-        except Exception as exc:                                   # the learner's own error, named, not hidden
-            raise ExerciseError(f"{name} raised {type(exc).__name__}: {exc}") from exc
-    return outs
+TOOLS = make_tools()
 
 
-def _same(a, b, tol: float = 1e-9) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
-            return False
-        a, b = a.double(), b.double()
-        if not (torch.isfinite(a) == torch.isfinite(b)).all():
-            return False
-        fin = torch.isfinite(b)
-        scale = max(1.0, float(b[fin].abs().max())) if fin.any() else 1.0
-        return bool(((a[fin] - b[fin]).abs() <= tol * scale).all())
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y, tol) for x, y in zip(a, b))
-    try:
-        return math.isclose(float(a), float(b), rel_tol=tol, abs_tol=tol)
-    except (TypeError, ValueError):
-        return False
-
-
-def _diagnose(outs: list, cases: list, wrong: dict) -> str | None:
-    """The hint of the first known wrong answer that reproduces the learner's outputs on every case."""
-    for hint, fn in wrong.items():
-        try:
-            if all(_same(o, fn(*args)) for o, args in zip(outs, cases)):
-                return hint
-        except Exception:                                          # a wrong form that cannot run on a case
-            continue
-    return None
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-# ---------------------------------------------------------------------------------------------- 1: input patch
-def _input_cases() -> list:
-    out = []
-    for seed, (n_out, n_in) in enumerate([(5, 4), (7, 3), (12, 8)]):
-        g = _gen(100 + seed)
-        W = torch.randn(n_out, n_in, generator=g, dtype=torch.float64)
-        z = torch.randn(n_in, generator=g, dtype=torch.float64)
-        out.append((W, z, z + 0.5 * torch.randn(n_in, generator=g, dtype=torch.float64)))
-    return out
-
-
-_INPUT_WRONG = {
-    "ΔW moves W z towards W z_C: the left factor is W(z_C − z), not W(z − z_C) (check the sign).":
-        lambda W, z, zc: -input_patch(W, z, zc),
-    "Divide by ‖z‖² (z·z), not by ‖z‖: only then is ΔW z = W(z_C − z)(z·z)/‖z‖² = W(z_C − z) exactly.":
-        lambda W, z, zc: input_patch(W, z, zc) * z.norm(),
-    "The outer product needs the normalisation 1/‖z‖²: without it ΔW z = W(z_C − z)·‖z‖².":
-        lambda W, z, zc: input_patch(W, z, zc) * z.dot(z),
-    "The right factor must be z, the input the patched matrix will actually see (query alone), not z_C.":
-        lambda W, z, zc: torch.outer(W @ (zc - z), zc) / zc.dot(zc),
-    "The right factor is z but the normalisation must be ‖z‖², the same vector's: you divided by ‖z_C‖².":
-        lambda W, z, zc: torch.outer(W @ (zc - z), z) / zc.dot(zc),
-}
-
-
-def check_input_patch(fn: Callable) -> dict:
-    """Exercise 1: ``fn(W, z, z_C)`` must return the rank-1 ``dW`` with ``(W + dW) z = W z_C``."""
-    cases = _input_cases()
-    outs = _run(fn, cases, "input_patch")
-    for out, (W, z, zc) in zip(outs, cases):
-        if not isinstance(out, torch.Tensor):
-            raise ExerciseError(f"input_patch must return a tensor (ΔW), got {type(out).__name__}")
-        if out.shape == W.T.shape and out.shape != W.shape:
-            raise ExerciseError(f"ΔW has shape {tuple(out.shape)}, the transpose of W's {tuple(W.shape)}: it is "
-                                "torch.outer(W @ (z_C - z), z), output side first (W is out × in)")
-        if out.shape == (zc.numel(), zc.numel()) and out.shape != W.shape:
-            raise ExerciseError(f"ΔW has shape {tuple(out.shape)} (in × in): the left factor is W(z_C − z), a vector "
-                                f"of W's {W.shape[0]} outputs, not z_C − z")
-        if out.shape != W.shape:
-            raise ExerciseError(f"ΔW must have W's shape {tuple(W.shape)}; got {tuple(out.shape)}")
-    if all(_same(o, input_patch(*c)) for o, c in zip(outs, cases)):
-        ranks = {int(torch.linalg.matrix_rank(o)) for o in outs}
-        rank = ranks.pop() if len(ranks) == 1 else sorted(ranks)
-        print(f"✓ input_patch: (W + ΔW) z = W z_C on {len(cases)} cases, ΔW has rank {rank}")
-        return {"cases": len(cases), "rank": rank}
-    hint = _diagnose(outs, cases, _INPUT_WRONG)
-    if hint:
-        raise ExerciseError(hint)
-    W, z, zc = cases[0]
-    err = float(((W + outs[0]) @ z - W @ zc).abs().max())
-    raise ExerciseError(f"(W + ΔW) z should equal W z_C; on a {tuple(W.shape)} case they differ by up to {err:.3g}. "
-                        "Write ΔW as the outer product of W(z_C − z) and z, divided by z·z.")
-
-
-# ---------------------------------------------------------------------------------------------- 2: scale patch
-def _scale_cases() -> list:
-    out = []
-    for seed, n in enumerate([4, 6, 9]):
-        g = _gen(200 + seed)
-        v = torch.randn(n, generator=g, dtype=torch.float64)
-        v_C = v + torch.randn(n, generator=g, dtype=torch.float64)
-        h = torch.randn(n, generator=g, dtype=torch.float64)
-        if seed:                                                   # an exact zero: the guard's case
-            h[seed] = 0.0
-        m = 1.0 + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
-        out.append((v, v_C, h, m))
-    return out
-
-
-_SCALE_WRONG = {
-    "Δm adds v_C − v to the block output: use (v_C − v), not (v − v_C) (check the sign).":
-        lambda v, vc, h, m: -scale_patch(v, vc, h, m),
-    "The block adds (m + Δm) ⊙ h, so Δm ⊙ h alone must equal v_C − v: divide by h, not by m ⊙ h.":
-        lambda v, vc, h, m: scale_patch(v, vc, h * m, m),
-    "You returned the new scale m + Δm; return the patch Δm itself (it is added to the stored weight).":
-        lambda v, vc, h, m: m + scale_patch(v, vc, h, m),
-    "Off by the 1 + w offset: Gemma stores w with m = 1 + w, but Δm is a change of the scale, the same for m and "
-    "w. Return (v_C − v) / h with no ±1.":
-        lambda v, vc, h, m: scale_patch(v, vc, h, m) - 1,
-    "Off by the 1 + w offset (the other way): Δm is a change of the scale, no +1.":
-        lambda v, vc, h, m: scale_patch(v, vc, h, m) + 1,
-    "Where h_i = 0 exactly the paper divides by 1 (Δm_i = (v_C − v)_i): no scale can act there, and the guard "
-    "keeps the patch finite. You set Δm_i = 0 instead.":
-        lambda v, vc, h, m: torch.where(h == 0, torch.zeros_like(h), scale_patch(v, vc, h, m)),
-}
-
-
-def check_scale_patch(fn: Callable) -> dict:
-    """Exercise 2: ``fn(v, v_C, h, m)`` must return ``dm = (v_C - v) / h`` with the divide-by-1 guard."""
-    cases = _scale_cases()
-    outs = _run(fn, cases, "scale_patch")
-    for out, (v, vc, h, m) in zip(outs, cases):
-        if not isinstance(out, torch.Tensor) or out.shape != v.shape:
-            raise ExerciseError(f"scale_patch must return a tensor of v's shape {tuple(v.shape)} (one Δm_i per "
-                                f"coordinate); got {getattr(out, 'shape', type(out).__name__)}")
-        if not torch.isfinite(out).all():
-            k = int((~torch.isfinite(out)).nonzero()[0])
-            raise ExerciseError(f"Δm is not finite at coordinate {k}, where h_{k} = {float(h[k])}: where h_i = 0 "
-                                "exactly, divide by 1 instead (torch.where(h == 0, 1, h)), as the paper does; the "
-                                "engine counts such coordinates as fallbacks")
-    if all(_same(o, scale_patch(*c)) for o, c in zip(outs, cases)):
-        worst = max(float((v + (m + o) * h - (vc + m * h))[h != 0].abs().max()) for o, (v, vc, h, m) in zip(outs, cases))
-        zeros = sum(int((c[2] == 0).sum()) for c in cases)
-        print(f"✓ scale_patch: v + (m + Δm) ⊙ h = v_C + m ⊙ h on {len(cases)} cases (max error {worst:.1e}), "
-              f"{zeros} exact zeros of h divided by 1")
-        return {"cases": len(cases), "max_error": worst, "zeros": zeros}
-    hint = _diagnose(outs, cases, _SCALE_WRONG)
-    if hint:
-        raise ExerciseError(hint)
-    v, vc, h, m = cases[0]
-    err = float((v + (m + outs[0]) * h - (vc + m * h)).abs().max())
-    raise ExerciseError(f"v + (m + Δm) ⊙ h should equal v_C + m ⊙ h; on the first case they differ by up to {err:.3g}")
-
-
-# ---------------------------------------------------------------------------------------------- 3: bisection step
-def _bisection_cases() -> list:
-    """The intervals the right bisection visits in its first 30 steps on three problems: both branches, far from
-    and close to the root, where the typical wrong forms of F take other decisions."""
-    out = []
-    for seed, n in enumerate([5, 8, 16]):
-        g = _gen(300 + seed)
-        m = 0.5 + torch.rand(n, generator=g, dtype=torch.float64)
-        gv = torch.randn(n, generator=g, dtype=torch.float64)
-        m2 = float((m ** 2).min())
-        lo, hi = m2 - float((gv * m).abs().max()) - 1.0, m2 - 1e-9
-        for _ in range(30):
-            out.append((lo, hi, gv, m))
-            lo, hi = bisection_step(lo, hi, gv, m)
-    return out
-
-
-def _step_with(F):
-    def step(lo, hi, g, m):
-        mid = 0.5 * (lo + hi)
-        return (mid, hi) if F(mid, g, m) < 0 else (lo, mid)
-    return step
-
-
-_BISECTION_WRONG = {
-    "F increases on (−∞, min m²): F(mid) < 0 means the root is to the right of mid, so lo moves up to mid "
-    "(your branches are swapped).":
-        lambda lo, hi, g, m: ((lo, 0.5 * (lo + hi)) if secular(0.5 * (lo + hi), g, m) < 0 else (0.5 * (lo + hi), hi)),
-    "F is a mean over the n coordinates, (1/n) Σ_k (g_k m_k)² / (m_k² − μ)² − 1: you summed without 1/n.":
-        _step_with(lambda mu, g, m: float(((g * m) ** 2 / (m ** 2 - mu) ** 2).sum() - 1)),
-    "The denominator is squared: (m_k² − μ)², because y_k = g_k m_k / (m_k² − μ) and F is mean(y²) − 1.":
-        _step_with(lambda mu, g, m: float(((g * m) ** 2 / (m ** 2 - mu)).mean() - 1)),
-    "F needs the − 1: the constraint is mean(y²) = 1, so the root is where mean(y²) − 1 = 0.":
-        _step_with(lambda mu, g, m: float(((g * m) ** 2 / (m ** 2 - mu) ** 2).mean())),
-    "Bisection returns the new interval (lo, hi), one end moved to the midpoint, not the midpoint twice.":
-        lambda lo, hi, g, m: (0.5 * (lo + hi), 0.5 * (lo + hi)),
-}
-
-
-def check_bisection_step(fn: Callable) -> dict:
-    """Exercise 3: ``fn(lo, hi, g, m)`` must return the half of [lo, hi] that holds the root of F; then 200 of the
-    learner's steps must find the root the package's inversion finds."""
-    from .stable import invert_rmsnorm_unit
-
-    cases = _bisection_cases()
-    outs = _run(fn, cases, "bisection_step")
-    for out in outs:
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise ExerciseError(f"bisection_step must return the new interval as a pair (lo, hi); got {out!r}")
-    if all(_same(tuple(map(float, o)), bisection_step(*c)) for o, c in zip(outs, cases)):
-        lo, hi, g, m = cases[0]
-        for _ in range(200):
-            lo, hi = map(float, fn(lo, hi, g, m))
-        mu = invert_rmsnorm_unit(g, m).mu
-        if not math.isclose(0.5 * (lo + hi), mu, rel_tol=1e-9, abs_tol=1e-12):
-            raise ExerciseError(f"one step is right, but 200 of them end at {0.5 * (lo + hi):.12g}, not at the root "
-                                f"{mu:.12g}: does your step keep lo < hi and F(lo) < 0 < F(hi)?")
-        f_mu = secular(0.5 * (lo + hi), g, m)
-        print(f"✓ bisection_step: {len(cases)} single steps right; 200 steps find μ* = {mu:.10g} "
-              f"(F(μ*) = {f_mu:.1e}), as invert_rmsnorm_unit does")
-        return {"cases": len(cases), "steps": 200, "mu": mu, "F_mu": f_mu}
-    hint = _diagnose([tuple(map(float, o)) for o in outs], cases, _BISECTION_WRONG)
-    if hint:
-        raise ExerciseError(hint)
-    lo, hi, g, m = cases[0]
-    raise ExerciseError(f"on [lo, hi] = [{lo:.6g}, {hi:.6g}] the step should give {bisection_step(lo, hi, g, m)}, "
-                        f"got {tuple(outs[0])}: halve the interval and keep the half where F changes sign")
-
-
-# ---------------------------------------------------------------------------------------------- 4: Algorithm 1
 def _algorithm1_cases() -> list:
     from .fixtures import tiny_gemma3
 
@@ -377,27 +501,30 @@ def _algorithm1_cases() -> list:
     return [(model, [2, 10, 20, 30, 40, 50, 11, 12, 13, 33]), (model, [2, 7, 7, 61, 5, 90, 44, 3, 19, 28, 71, 6])]
 
 
-def _spy_tools(calls: list):
+def _spy_tools(calls: list, tools):
     def theorem1(block, x, position, target):
-        out = theorem1_block(block, x, position, target)
+        out = tools.theorem1_block(block, x, position, target)
         calls.append(SimpleNamespace(block=block, x=x, position=position, target=target, out=out))
         return out
-    return SimpleNamespace(**{**vars(TOOLS), "theorem1_block": theorem1})
+    return SimpleNamespace(**{**vars(tools), "theorem1_block": theorem1})
 
 
-def check_algorithm1(fn: Callable, cases: list | None = None) -> dict:
-    """Exercise 4: ``fn(model, ids, tools)`` must return the logits Algorithm 1 gives for the last token of ``ids``
-    run alone, which equal the full-context logits of the same from-scratch model (float64, a tiny seeded Gemma 3 by
-    default). (transformers' Gemma 3 computes its RMSNorms in float32 even for a float64 model, so its own logits
-    differ from the from-scratch float64 ones at about 1e-7; the check compares like with like.)"""
+def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None) -> Checked:
+    """03: ``fn(model, ids, tools)`` must return the logits Algorithm 1 gives for the last token of ``ids`` run
+    alone: every layer patched, in order, each fed the output of the patched layer below (at any position: a token
+    alone attends to itself only, so RoPE changes nothing; the engine uses its position in the prompt). Checked on a tiny float64 Gemma 3, where the logits must equal the same from-scratch model's full-context
+    logits (transformers' Gemma 3 computes its norms in float32 even in float64, so the check compares like with
+    like)."""
+    tools = tools or TOOLS
     cases = cases or _algorithm1_cases()
+    if fn is None or _is_stub(fn, (cases[0][0], list(cases[0][1]), tools)):
+        fn, own = _begin("algorithm1", None, ())
+    else:
+        own = True
+    moved = False
     for model, ids in cases:
         calls = []
-        tools = _spy_tools(calls)
-        try:
-            out = fn(model, list(ids), tools)
-        except Exception as exc:
-            raise ExerciseError(f"algorithm1 raised {type(exc).__name__}: {exc}") from exc
+        out = _call(fn, (model, list(ids), _spy_tools(calls, tools)), "algorithm1")
         L, p = len(model.model.layers), len(ids) - 1
         targets = full_context_targets(model, ids)
         want = logits(model, targets[-1].out_C)      # the same from-scratch model, with the whole context
@@ -409,13 +536,10 @@ def check_algorithm1(fn: Callable, cases: list | None = None) -> dict:
                                 "in order (for layer, block in enumerate(tools.blocks(model)))")
         x0 = query_embedding(model, ids)
         for k, c in enumerate(calls):
-            if c.position != p:
-                raise ExerciseError(f"layer {k} ran at position {c.position}: the query keeps its absolute position "
-                                    f"in the prompt, len(ids) - 1 = {p} (RoPE depends on it)")
-            if not _same(c.target.v_C, targets[k].v_C):
+            if not torch.equal(c.target.v_C, targets[k].v_C):
                 raise ExerciseError(f"layer {k} was patched against another layer's targets: pass targets[{k}]")
             if k == 0:
-                if not _same(c.x, x0):
+                if not torch.equal(c.x, x0):
                     raise ExerciseError("layer 0 must get the query token's embedding alone "
                                         "(tools.query_embedding(model, ids))")
                 continue
@@ -434,15 +558,93 @@ def check_algorithm1(fn: Callable, cases: list | None = None) -> dict:
         if not isinstance(out, torch.Tensor) or out.shape != want.shape:
             raise ExerciseError(f"return the logits (a tensor of shape {tuple(want.shape)}, tools.logits(model, x)); "
                                 f"got {getattr(out, 'shape', type(out).__name__)}")
-        if _same(out, logits(model, x0)):
+        if torch.equal(out, logits(model, x0)):
             raise ExerciseError("these are the logits of the unpatched query embedding: apply tools.logits to the "
                                 "last patched layer's output")
-        rel = float((out - want).abs().max() / want.abs().max())
-        block_rel = max(float((c.out - t.out_C).abs().max() / t.out_C.abs().max()) for c, t in zip(calls, targets))
+        rel = _rel(out, want)
+        block_rel = max(_rel(c.out, t.out_C) for c, t in zip(calls, targets))
         if rel > 1e-10:
             raise ExerciseError(f"the logits differ from the full-context logits by {rel:.2e} (relative): return "
                                 "tools.logits(model, x) with x the output of the last patched layer")
-    print(f"✓ algorithm1: {len(cases)} prompts on a {L}-layer Gemma 3 (float64): every layer patched from the actual "
-          f"output of the patched layer below; each block's output within {block_rel:.1e} of its full-context output "
-          f"and the logits within {rel:.1e} of the full-context logits (relative)")
-    return {"prompts": len(cases), "layers": L, "block_error": block_rel, "logit_error": rel}
+        moved = moved or any(c.position != p for c in calls)
+    print(f"✓ algorithm1 ({_whose(own)}): {len(cases)} prompts on a {L}-layer Gemma 3 (float64): every layer patched "
+          f"from the actual output of the patched layer below; each block's output within {block_rel:.1e} of its "
+          f"full-context output and the logits within {rel:.1e} of the full-context logits (relative)")
+    if moved:
+        print("  note: you ran the query at another position than its own, len(ids) - 1. For one token alone that "
+              "changes nothing: its attention has a single key, whose softmax weight is 1 whatever RoPE does to q and "
+              "k. The engine keeps the prompt's position, as the paper's setting does.")
+    return Checked("algorithm1", fn, own, {"prompts": len(cases), "layers": L, "block_error": block_rel,
+                                           "logit_error": rel})
+
+
+# ---------------------------------------------------------------------------------------------- 04: the secular root
+def _secular_cases() -> list:
+    """Random problems, plus the two a real layer poses: a width-640 scale with min m^2 = 2.4e-4 (the pole next to 0,
+    as at layer 6 of the embedded model) and a large g, whose root lies far below min m^2 (a fixed bracket misses)."""
+    out = []
+    for seed, n in enumerate([5, 8, 16, 64]):
+        g = _gen(300 + seed)
+        m = 0.5 + torch.rand(n, generator=g, dtype=torch.float64)
+        out.append((torch.randn(n, generator=g, dtype=torch.float64), m))
+    g = _gen(310)
+    m = 0.015625 + 2.0 * torch.rand(640, generator=g, dtype=torch.float64)
+    out.append((torch.randn(640, generator=g, dtype=torch.float64), m))
+    g = _gen(311)
+    m = 0.5 + torch.rand(32, generator=g, dtype=torch.float64)
+    out.append((100.0 * torch.randn(32, generator=g, dtype=torch.float64), m))
+    return out
+
+
+def _mean_y2(mu: float, g, m) -> float:
+    return float(((g * m / (m ** 2 - mu)) ** 2).mean())
+
+
+def check_secular_root(fn: Callable | None) -> Checked:
+    """04: ``fn(g, m)`` must return the root mu* < min m^2 of Appendix B's secular function: the Lagrange
+    multiplier for which y = g m / (m^2 - mu*) has mean(y^2) = 1. Any method passes (bisection, Newton, a library
+    root finder) if the root is the right one to 1e-9."""
+    cases = _secular_cases()
+    fn, own = _begin("secular_root", fn, cases[0])
+    worst = 0.0
+    for g, m in cases:
+        out = _call(fn, (g, m), "secular_root")
+        if isinstance(out, torch.Tensor) and out.numel() > 1:
+            raise ExerciseError(f"secular_root must return the number μ*, not a vector (got a tensor of shape "
+                                f"{tuple(out.shape)}: is it y?)")
+        try:
+            mu = float(out)
+        except (TypeError, ValueError):
+            raise ExerciseError(f"secular_root must return a number μ*, got {type(out).__name__}") from None
+        if isinstance(out, torch.Tensor) and out.dtype != torch.float64:
+            raise ExerciseError(f"secular_root returned a {out.dtype} tensor: find the root in float64 (the package "
+                                "does), since F is steep near its pole and float32 leaves μ* uncertain by ~1e-7")
+        m2 = float((m ** 2).min())
+        want = solutions.secular_root(g, m)
+        if mu >= m2:
+            raise ExerciseError(f"μ = {mu:.6g} is not below min m_k² = {m2:.6g}: F has more roots above it (between "
+                                "its poles), but Appendix B's minimiser is the one with μ < min m_k², where F rises "
+                                "monotonically from −1 to +∞. Search on (−∞, min m²).")
+        err = abs(_mean_y2(mu, g, m) - 1.0)
+        if not math.isfinite(err) or err > 1e-9:
+            n = g.numel()
+            tries = {
+                "F is a *mean* over the n coordinates, (1/n) Σ_k (g_k m_k)² / (m_k² − μ)² − 1: with the sum, "
+                "mean(y²) comes out 1/n.": lambda x: abs(_mean_y2(x, g, m) * n - 1.0),
+                "The denominator is squared, (m_k² − μ)², because y_k = g_k m_k / (m_k² − μ) and F is mean(y²) − 1.":
+                    lambda x: abs(float(((g * m) ** 2 / (m ** 2 - x)).mean()) - 1.0),
+                "The poles are at m_k², not m_k: y_k = g_k m_k / (m_k² − μ).":
+                    lambda x: abs(float(((g * m / (m - x)) ** 2).mean()) - 1.0),
+            }
+            hint = next((h for h, f in tries.items() if f(mu) < 1e-6), None)
+            side = ("F > 0 there, so the root lies further left: does your bracket reach it? With a large g the root "
+                    "can be far below min m² (any lo with F(lo) < 0 works, e.g. min m² − sqrt(mean((g m)²)) − 1)"
+                    if _mean_y2(mu, g, m) > 1 else "F < 0 there, so the root lies to the right")
+            raise ExerciseError(hint or f"at μ = {mu:.10g} the constraint misses: mean(y²) = {_mean_y2(mu, g, m):.6g}, "
+                                        f"not 1 (the root is {want:.10g}). F(μ) = mean((g m)² / (m² − μ)²) − 1 is "
+                                        f"increasing on (−∞, min m²): {side}")
+        worst = max(worst, err)
+    sizes = [g.numel() for g, _ in cases]
+    print(f"✓ secular_root ({_whose(own)}): on {len(cases)} problems (n = {min(sizes)} to {max(sizes)}) μ* < min m² "
+          f"and mean(y²) = 1 to {worst:.1e}")
+    return Checked("secular_root", fn, own, {"cases": len(cases), "sizes": sizes, "max_constraint_error": worst})

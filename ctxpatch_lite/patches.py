@@ -23,7 +23,7 @@ from .hooks import PatchError
 
 DIAG_KEYS = ("z_norm", "dv_norm", "min_abs_h", "fallbacks", "hard_case", "iterations", "h_norm", "S",
              "routing_match", "matrix_norm", "dm_l2", "dm_max_abs", "bias_l2", "block_error", "dm_top_l2",
-             "matrix_ref", "scale_ref")
+             "matrix_ref", "scale_ref", "fallbacks_m0", "fallback_miss")
 TOP_SHARE = 0.01   # dm_top_l2: the norm of dm restricted to its largest 1 % of coordinates (at least one)
 
 

@@ -51,45 +51,98 @@ def _positive(xs, floor=1e-12):
     return [max(float(x), floor) for x in xs]
 
 
+THEOREM1, STABLE = "#ffc48a", "#d9c6f2"      # the patches of Theorem 1; what Appendix B's stable variant adds
+
+
 def block_diagram():
-    """Figure 1 style: a Gemma 3 block, with the sites the patches act on highlighted."""
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    ax.set_xlim(0, 12.4)
-    ax.set_ylim(0, 6)
+    """A Gemma 3 decoder block with the quantities of Theorem 1 labelled (v, z, h_g, h), its two residual additions
+    drawn as ⊕ nodes, and the sites its patches act on: orange for Theorem 1 (rank-1 ΔW_gate, ΔW_up; the scale patch
+    Δm), violet for what Appendix B's stable variant adds (a rank-1 ΔW_down)."""
+    fig, ax = plt.subplots(figsize=(13.5, 4.4))
+    ax.set_xlim(0, 17.3)
+    ax.set_ylim(0.2, 6.2)
     ax.axis("off")
-    w, hgt = 1.25, 0.95
-    boxes = {
-        "x": (0.1, 2.6, "x", "#eeeeee"), "in": (1.6, 2.6, "input\nnorm", "#dde8f5"),
-        "attn": (3.1, 2.6, "attention\n(GQA, RoPE,\nq/k norms)", "#dde8f5"), "pa": (4.6, 2.6, "post-attn\nnorm", "#dde8f5"),
-        "pf": (6.2, 4.4, "pre-FF norm\n→ z", "#dde8f5"), "gu": (7.8, 4.4, "W_gate, W_up\n+ rank-1 ΔW", "#ffd8a8"),
-        "down": (9.4, 4.4, "W_down\n+ ΔW_down\n(stable only)", "#ffe8cc"),
-        "post": (9.4, 2.6, "post-FF norm\nscale m + Δm", "#ffd8a8"), "out": (11.0, 2.6, "out", "#eeeeee"),
+    hgt = 0.95
+    boxes = {   # name: (x, y, width, text, colour)
+        "x": (0.1, 1.6, 1.45, "x\n(layer input)", "#eeeeee"), "in": (1.95, 1.6, 1.45, "input\nRMSNorm", "#dde8f5"),
+        "attn": (3.8, 1.6, 1.55, "attention\n(the context\nenters here)", "#dde8f5"),
+        "pa": (5.75, 1.6, 1.45, "post-attn\nRMSNorm", "#dde8f5"),
+        "pf": (7.175, 4.3, 1.45, "pre-FF\nRMSNorm", "#dde8f5"), "gu": (9.3, 4.3, 1.6, "W_gate, W_up\n+ rank-1 ΔW", THEOREM1),
+        "down": (11.55, 4.3, 1.5, "W_down\n+ rank-1 ΔW", STABLE),
+        "post": (13.6, 4.3, 1.95, "post-FF RMSNorm\nh = N(W_down h_g)\nscale m + Δm", THEOREM1),
+        "out": (15.7, 1.6, 1.3, "out", "#eeeeee"),
     }
-    for x, y, text, color in boxes.values():
+    for x, y, w, text, color in boxes.values():
         ax.add_patch(matplotlib.patches.FancyBboxPatch((x, y), w, hgt, boxstyle="round,pad=0.05", fc=color,
-                                                       ec="#555555", lw=1))
+                                                       ec="#555555", lw=1, ls="--" if color == STABLE else "-"))
         ax.text(x + w / 2, y + hgt / 2, text, ha="center", va="center", fontsize=8)
+    mid = 1.6 + hgt / 2
+    plus = {"v": (7.9, mid), "out": (14.575, mid)}
+    for px, py in plus.values():
+        ax.add_patch(matplotlib.patches.Circle((px, py), 0.22, fc="white", ec="#333333", lw=1.2))
+        ax.text(px, py, "+", ha="center", va="center", fontsize=12)
 
     def right(k):
-        x, y, *_ = boxes[k]
+        x, y, w, *_ = boxes[k]
         return (x + w, y + hgt / 2)
 
     def left(k):
         x, y, *_ = boxes[k]
         return (x, y + hgt / 2)
 
-    for a, b in [("x", "in"), ("in", "attn"), ("attn", "pa"), ("pa", "pf"), ("pf", "gu"), ("gu", "down"), ("post", "out")]:
-        ax.annotate("", xy=left(b), xytext=right(a), arrowprops=dict(arrowstyle="->", color="#333333"))
-    ax.annotate("", xy=(10.0, 3.6), xytext=(10.0, 4.4), arrowprops=dict(arrowstyle="->", color="#333333"))
-    ax.annotate("", xy=(5.9, 2.75), xytext=(0.7, 2.6), arrowprops=dict(arrowstyle="->", color="#888888",
-                                                                       connectionstyle="arc3,rad=0.3"))
-    ax.text(2.2, 1.35, "residual: v = x + post_attn_norm(attn)", fontsize=8, color="#555555")
-    ax.annotate("", xy=(11.0, 2.75), xytext=(5.95, 2.75), arrowprops=dict(arrowstyle="->", color="#888888",
-                                                                          connectionstyle="arc3,rad=0.3"))
-    ax.text(7.2, 1.35, "residual: out = v + m ⊙ N(W_down h_g)", fontsize=8, color="#555555")
-    ax.text(0.1, 5.65, "Gemma 3 decoder block: orange = where Theorem 1 patches act", fontsize=11, weight="bold")
-    ax.text(0.1, 0.35, "The context enters only through attention (it changes v).\nRank-1 ΔW_gate, ΔW_up make the MLP "
-                       "respond as if it saw z_C; Δm adds v_C − v at the output.", fontsize=8.5)
+    def arrow(a, b, label="", color="#333333", dx=0.0, dy=0.14, **kw):
+        ax.annotate("", xy=b, xytext=a, arrowprops=dict(arrowstyle="->", color=color, **kw))
+        if label:
+            ax.text((a[0] + b[0]) / 2 + dx, (a[1] + b[1]) / 2 + dy, label, fontsize=11, color="#b03000",
+                    weight="bold", ha="center")
+
+    arrow(right("x"), left("in"))
+    arrow(right("in"), left("attn"))
+    arrow(right("attn"), left("pa"))
+    arrow(right("pa"), (plus["v"][0] - 0.22, mid))
+    arrow((plus["v"][0], mid + 0.22), (plus["v"][0], 4.3), "v", dx=0.25, dy=-0.1)
+    arrow(right("pf"), left("gu"), "z")
+    arrow(right("gu"), left("down"), "h_g")
+    arrow(right("down"), left("post"))
+    arrow((plus["out"][0], 4.3), (plus["out"][0], mid + 0.22), "m ⊙ h", dx=0.55, dy=-0.1)
+    arrow((plus["out"][0] + 0.22, mid), left("out"))
+    # the residuals: x around attention into the first ⊕, v straight along into the second
+    arrow((0.825, 1.6), (plus["v"][0] - 0.05, mid - 0.21), color="#888888", connectionstyle="arc3,rad=0.25")
+    ax.text(4.35, 0.55, "residual: v = x + RMSNorm_post-attn(attention)", fontsize=8, color="#555555", ha="center")
+    arrow((plus["v"][0] + 0.22, mid), (plus["out"][0] - 0.22, mid), color="#888888")
+    ax.text(11.25, mid - 0.42, "residual: out = v + m ⊙ h", fontsize=8, color="#555555", ha="center")
+    ax.text(0.1, 5.85, "One Gemma 3 decoder block and where the patches act", fontsize=11, weight="bold")
+    legend = [matplotlib.patches.Patch(fc=THEOREM1, ec="#555555", label="Theorem 1: rank-1 ΔW_gate, ΔW_up; scale Δm"),
+              matplotlib.patches.Patch(fc=STABLE, ec="#555555", ls="--",
+                                       label="Appendix B (stable variant) adds a rank-1 ΔW_down")]
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(0.0, 0.93), fontsize=8, frameon=False, ncol=1)
+    return fig
+
+
+def headline(rows: list[dict], floor: float | None = None, floor_label: str = ""):
+    """The claim in one figure: for each run of the query token (``rows``: ``label``, ``linf`` = its largest logit
+    difference from the model that read the whole prompt, ``token`` = the token it picks, ``matches``), a bar on a
+    log scale; ``floor``: a reference line (e.g. one float32 ulp of the logits)."""
+    fig, ax = plt.subplots(figsize=(8.6, 1.1 + 0.7 * len(rows)))
+    ys = list(range(len(rows)))[::-1]
+    for y, r in zip(ys, rows):
+        color = "#2ca02c" if r["matches"] else "#d62728"
+        ax.barh(y, max(float(r["linf"]), 1e-12), color=color, height=0.55)
+        ax.text(max(float(r["linf"]), 1e-12) * 1.6, y, f"top token {r['token']!r}" + (" (the same)" if r["matches"]
+                                                                                     else " (another)"),
+                va="center", fontsize=9)
+    if floor:
+        ax.axvline(floor, color="0.4", ls=":", lw=1.3)
+        ax.text(floor * 1.15, ys[0] + 0.42, floor_label, fontsize=8, color="0.3")
+    ax.set_yticks(ys, [r["label"] for r in rows], fontsize=9)
+    ax.set_xscale("log")
+    lo = min(max(float(r["linf"]), 1e-12) for r in rows)
+    ax.set_xlim(lo / 30, max(float(r["linf"]) for r in rows) * 400)
+    ax.set_ylim(-0.6, len(rows) - 0.2)
+    ax.set_xlabel("largest |logit − full-context logit| over the vocabulary (log scale)")
+    ax.set_title("The query token alone, with and without the patches, against the model that read the prompt",
+                 fontsize=10)
+    fig.tight_layout()
     return fig
 
 
@@ -123,9 +176,12 @@ def per_token(runs: dict, title: str = "", floors: dict | None = None):
     _integer_ticks(axes[1])
     for ax in axes:
         ax.set_yscale("log")
-    axes[0].legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     axes[0].set_title(title or "Patched (no context) vs baseline (full context); × = token mismatch")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()       # below the panels: the plots keep the full width
+    ncol = min(3, len(labels))
+    rows = -(-len(labels) // ncol) if labels else 0
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.045 * rows + 0.01, 1, 1))
     return fig
 
 
@@ -139,7 +195,8 @@ def summary(rows: list[dict], title: str = "Summary over prompts"):
     a1.set_ylabel("log10 TVD per token")
     a1.set_title("TVD (log scale; lower is better)")
     pct = [100.0 * r["n_match"] / r["n_tokens"] for r in rows]
-    bars = a2.bar(range(len(rows)), pct, color=[_color(l, i) for i, l in enumerate(labels)])
+    bars = a2.bar(range(len(rows)), pct, color=[_color(l, i) for i, l in enumerate(labels)],
+                  hatch=["//" if "recorded" in l else "" for l in labels], edgecolor="white")
     for b, r in zip(bars, rows):
         a2.text(b.get_x() + b.get_width() / 2, b.get_height() + 1, f"{r['n_match']}/{r['n_tokens']}", ha="center",
                 fontsize=8)

@@ -65,6 +65,8 @@ def step_diagnostics(layers: list[int], diag: list[list[float]]) -> dict:
         "patched_layers": len(layers),
         "min_abs_h": min(finite(col["min_abs_h"]), default=float("nan")),
         "fallbacks": int(sum(zero_nan(col["fallbacks"]))),
+        "fallbacks_m0": int(sum(zero_nan(col["fallbacks_m0"]))),     # of them, on coordinates with m_i = 0
+        "fallback_miss": math.sqrt(sum(x * x for x in zero_nan(col["fallback_miss"]))),   # what they leave out
         "hard_cases": int(sum(zero_nan(col["hard_case"]))),
         "min_z_norm": min(finite(col["z_norm"]), default=float("nan")),
         "matrix_norm": math.sqrt(sum(x * x for x in zero_nan(col["matrix_norm"]))),
@@ -86,6 +88,7 @@ def step_diagnostics(layers: list[int], diag: list[list[float]]) -> dict:
             "dm_max_abs": zero_nan(col["dm_max_abs"]),
             "min_abs_h": col["min_abs_h"],
             "fallbacks": [int(x) for x in zero_nan(col["fallbacks"])],
+            "fallbacks_m0": [int(x) for x in zero_nan(col["fallbacks_m0"])],
             "hard_case": [bool(x) for x in zero_nan(col["hard_case"])],
             "block_error": col["block_error"],
         },
@@ -149,6 +152,7 @@ def summarize(steps: list[dict]) -> dict:
     diag = [s["diagnostics"] for s in steps]
     summary.update({
         "fallbacks_total": sum(d.get("fallbacks", 0) for d in diag),
+        "fallbacks_m0_total": sum(d.get("fallbacks_m0", 0) for d in diag),
         "hard_cases_total": sum(d.get("hard_cases", 0) for d in diag),
         "min_abs_h": min((d["min_abs_h"] for d in diag if "min_abs_h" in d and not math.isnan(d["min_abs_h"])),
                          default=float("nan")),
@@ -159,7 +163,7 @@ def summarize(steps: list[dict]) -> dict:
 def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int = 20,
                  config: PatchConfig | None = None, prompt_ids: list[int] | None = None, chat_template: bool = False,
                  progress: bool = True, desc: str | None = None, batched: bool = False,
-                 forcing: str = "baseline", images: list | None = None) -> dict:
+                 forcing: str = "baseline", images: list | None = None, greedy: list[int] | None = None) -> dict:
     """Run the paper's per-token protocol; return a JSON-ready record with per-step metrics and diagnostics.
 
     ``batched=True`` (teacher-forced): generate the baseline's greedy tokens first (KV-cached), then compute every
@@ -175,6 +179,10 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     ``images`` (a ``Gemma3ForConditionalGeneration`` and its processor as ``tokenizer``): PIL images or paths, one
     per image placeholder (``<start_of_image>``) in ``prompt``; the full-context passes see them, the query-alone
     pass never does. The record's ``config.images`` names each (file name, sha256, sizes, soft tokens).
+
+    ``greedy`` (batched path only): the baseline's greedy continuation, when it is already known, e.g. the
+    ``generated_ids`` of another run of the same model, prompt and dtype; its first ``n_tokens`` tokens are used and
+    the decode that would find them is skipped.
     """
     if forcing not in FORCING:
         raise ValueError(f"unknown forcing {forcing!r}; choose one of: {', '.join(FORCING)}")
@@ -197,6 +205,9 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
         raise PromptError("prompt_ids needs at least 2 tokens (a context and a query)")
     if not isinstance(n_tokens, int) or n_tokens < 1:
         raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
+    if greedy is not None and (not batched or len(greedy) < n_tokens):
+        raise ValueError("greedy gives the baseline's known greedy tokens to the batched path: pass batched=True and at "
+                         f"least n_tokens = {n_tokens} tokens (got {len(greedy)})")
     alg = Algorithm1(model, config or PatchConfig())
     alg.reset()
     alg.media = media
@@ -205,7 +216,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     with exact_float32(alg.adapter.dtype != torch.bfloat16):   # TF32 off for float32/float64 runs, then restored
         flags = precision_flags()
         if batched:
-            steps = _batched_steps(alg, ids, n_tokens, tokenizer, progress, desc)
+            steps = _batched_steps(alg, ids, n_tokens, tokenizer, progress, desc, greedy)
         else:
             steps = _loop_steps(alg, ids, n_tokens, tokenizer, progress, desc, free=forcing == "patched")
         free = None
@@ -277,14 +288,15 @@ def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc
     return steps
 
 
-def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc) -> list[StepRecord]:
+def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc, greedy=None) -> list[StepRecord]:
     """Teacher-forced: baseline tokens first, then all targets and all patched passes in one batch each.
 
     The history follows the KV-cached greedy tokens (``next_token``). The compared baseline logits come from
     the full-sequence forward; in low precision their argmax can differ from the cached greedy token at a near
     tie, which the record flags as ``baseline_argmax_differs``.
     """
-    gen = greedy_baseline(alg.model, prompt_ids, n_tokens, alg.media)
+    gen = [int(t) for t in greedy[:n_tokens]] if greedy is not None else greedy_baseline(alg.model, prompt_ids,
+                                                                                          n_tokens, alg.media)
     seq = list(prompt_ids) + gen[:-1]
     positions = list(range(len(prompt_ids) - 1, len(seq)))
     base, patched, record, _ = alg.batched(seq, positions)

@@ -76,15 +76,22 @@ def compare_metrics(new: dict, old: dict, rules_from: dict, label: str = "previo
 def stored_outputs(executed: Path, original: Path) -> None:
     """Write the outputs of a papermill execution back into the notebook itself, as if executed in place: the
     injected-parameters cell and papermill's metadata are dropped (the parameters the runner injects, metrics_out
-    and figures_dir, print nothing)."""
+    and figures_dir, print nothing) and the cells numbered 1, 2, ... as one clean run."""
     import nbformat
     nb = nbformat.read(executed, as_version=4)
     nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
+    count = 0
     for c in nb.cells:
         c.metadata.pop("papermill", None)
         c.metadata.pop("execution", None)
         if "tags" in c.metadata and not c.metadata["tags"]:
             del c.metadata["tags"]
+        if c.cell_type == "code":              # numbered as one run of these cells (the injected one is gone)
+            count += 1
+            c.execution_count = count
+            for out in c.get("outputs", []):
+                if "execution_count" in out:
+                    out["execution_count"] = count
     nb.metadata.pop("papermill", None)
     nbformat.write(nb, original)
 

@@ -35,9 +35,14 @@ class SingleBlockResult:
     out_unpatched: torch.Tensor   # unpatched layer, no context
     rel_error: float              # max|patched - target| / max|target|
     unpatched_rel_error: float
-    singular_values: dict         # name -> leading singular values of the dense patch (rank 1: one nonzero)
     fallbacks: int
     min_abs_h: float
+
+    @property
+    def singular_values(self) -> dict:
+        """name -> the four leading singular values of the dense input patches (rank 1: one nonzero value)."""
+        return {name: torch.linalg.svdvals(r1.dense().to(torch.float64)).cpu()[:4].tolist()
+                for name, r1 in (("gate", self.gate), ("up", self.up))}
 
     @property
     def dW_gate(self) -> torch.Tensor:
@@ -51,11 +56,13 @@ class SingleBlockResult:
 
 @torch.no_grad()
 def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
-                       parts=("input", "output")) -> SingleBlockResult:
+                       parts=("input", "output"), variant: str = "naive", targets=None) -> SingleBlockResult:
     """Theorem 1 at ``layer`` for the last token of ``input_ids`` (its context: the tokens before it).
 
     ``parts=("input", "vanilla")`` builds the predecessor's vanilla-block recipe instead (dv added before the
-    post-norm); then ``dm`` is None and ``rel_error`` shows how far it misses.
+    post-norm); then ``dm`` is None and ``rel_error`` shows how far it misses. ``variant="stable"``: Appendix B's
+    update (a rank-1 patch of W_down and a small remainder in dm). ``targets``: the full-context targets of
+    ``input_ids`` when they are already recorded (``Algorithm1.full_context``), shared by the calls for every layer.
     """
     alg = Algorithm1(model, PatchConfig(schedule="oracle", apply=apply))
     ad = alg.adapter
@@ -64,14 +71,15 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
     ids = list(torch.as_tensor(input_ids).reshape(-1).tolist())
     if len(ids) < 2:
         raise ValueError("input_ids needs a context before the query token (at least 2 tokens)")
-    _, targets, _ = alg.full_context(ids)
+    if targets is None:
+        _, targets, _ = alg.full_context(ids)
     T = targets[layer].select(0)
     q = torch.tensor([[ids[-1]]], device=alg.device)
     pos = torch.tensor([[len(ids) - 1]], device=alg.device)
     P = ad.parts[layer]
 
     def run(parts):
-        spec = LayerSpec(targets=targets[layer], parts=frozenset(parts), oracle=True)
+        spec = LayerSpec(targets=targets[layer], parts=frozenset(parts), oracle=True, variant=variant)
         pp, got = PatchedPass(ad, {layer: spec}, apply=apply), {}
         with alg.norms(), pp:   # capture hooks go last, so they see the float64 norm outputs
             extra = [P.v_site.register_forward_pre_hook(lambda m, a: got.__setitem__("v", a[0][0, -1].clone())),
@@ -79,7 +87,7 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
                      P.output.register_forward_pre_hook(
                          lambda m, a: got.__setitem__("h", ad.normalize(a[0][0, -1], P.output).clone()))]
             try:
-                model(input_ids=q, position_ids=pos, use_cache=False, logits_to_keep=1)
+                model.base_model(input_ids=q, position_ids=pos, use_cache=False)   # the head is not needed
             finally:
                 for h in extra:
                     h.remove()
@@ -88,15 +96,23 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
     rec0, cap0 = run(())
     rec1, cap1 = run(tuple(parts))
     p = rec1.patches[layer]
-    sv = {name: torch.linalg.svdvals(r1.dense().to(torch.float64)).cpu()[:4].tolist()
-          for name, r1 in (("gate", p.gate), ("up", p.up))}
     out_t, out_p, out_u = T.out, rec1.outputs[layer][0], rec0.outputs[layer][0]
     d = p.diagnostics
     return SingleBlockResult(
         layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"], gate=p.gate, up=p.up,
         dm=None if p.dm is None else p.dm[0], out_target=out_t, out_patched=out_p, out_unpatched=out_u,
         rel_error=relative_error(out_p, out_t), unpatched_rel_error=relative_error(out_u, out_t),
-        singular_values=sv, fallbacks=d.fallbacks, min_abs_h=d.min_abs_h)
+        fallbacks=d.fallbacks, min_abs_h=d.min_abs_h)
+
+
+@torch.no_grad()
+def single_block_patches(model, input_ids, layers=None, **kwargs) -> list[SingleBlockResult]:
+    """``single_block_patch`` on each of ``layers`` (default: all), sharing one full-context pass."""
+    ids = list(torch.as_tensor(input_ids).reshape(-1).tolist())
+    alg = Algorithm1(model, PatchConfig(schedule="oracle", apply=kwargs.get("apply", "factored")))
+    _, targets, _ = alg.full_context(ids)
+    layers = range(alg.adapter.n_layers) if layers is None else layers
+    return [single_block_patch(model, ids, l, targets=targets, **kwargs) for l in layers]
 
 
 @torch.no_grad()

@@ -307,3 +307,19 @@ def test_patch_anatomy_diagnostics(tiny32):
     assert diag["dm_top_share"] == pytest.approx(top / tot, rel=1e-6)
     assert diag["matrix_rel"] == pytest.approx(math.sqrt(mat / mref), rel=1e-5)
     assert diag["dm_rel"] == pytest.approx(math.sqrt(dm / sref), rel=1e-5)
+
+
+def test_batched_with_known_greedy_tokens_gives_the_same_record(tiny32):
+    """``greedy``: a batched run told the baseline's tokens (another run's generated_ids) skips the decode and
+    records the same steps; it is refused where it cannot apply."""
+    first = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=5, progress=False, batched=True)
+    again = run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=4, progress=False, batched=True,
+                         greedy=first["generated_ids"])
+    assert again["generated_ids"] == first["generated_ids"][:4]
+    for a, b in zip(again["steps"], first["steps"]):
+        assert a["patched_token"] == b["patched_token"] and a["linf"] == pytest.approx(b["linf"], abs=1e-6)
+    with pytest.raises(ValueError, match="batched=True"):
+        run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=2, progress=False, greedy=first["generated_ids"])
+    with pytest.raises(ValueError, match="at least n_tokens"):
+        run_protocol(tiny32, prompt_ids=CONTEXT_IDS, n_tokens=9, progress=False, batched=True,
+                     greedy=first["generated_ids"])

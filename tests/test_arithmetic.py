@@ -159,3 +159,10 @@ def test_the_makefile_runs_the_second_path_from_the_package():
 def test_ulp():
     assert ar.ulp(20.0, "bfloat16") == 0.125 and ar.ulp(32.0, "bfloat16") == 0.25
     assert ar.ulp(1.0, "float32") == 2.0 ** -23
+
+
+def test_the_most_specific_rule_wins_over_a_wildcard_of_the_same_length():
+    from ctxpatch_lite.arithmetic import rule_for
+    rules = {"a.*.b": "rounding", "a.1.b": {"kind": "any", "why": "a layer whose size is arbitrary"}}
+    assert rule_for("a.1.b", 1.0, rules)[0] == "a.1.b"
+    assert rule_for("a.2.b", 1.0, rules)[0] == "a.*.b"

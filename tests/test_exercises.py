@@ -1,26 +1,144 @@
-"""The course's exercise checks: the reference solutions pass, and each check rejects typical wrong answers with
-the hint that names the mistake (at least two per exercise, as the learner would write them)."""
+"""The course's exercise checks (ctxpatch_lite.exercises): a stub is answered with the package's solution and a
+note; at least two different correct answers pass each check; at least five typical wrong answers are rejected,
+each with the hint that names its mistake."""
 import pytest
 import torch
 
 from ctxpatch_lite import exercises as ex
+from ctxpatch_lite import solutions as sol
+
+IDS = [2, 10, 20, 30, 40, 50, 11, 12, 13, 33]
 
 
-def rejects(check, fn, *words):
+def stub(*args, **kwargs):
+    raise NotImplementedError  # your code here
+
+
+def rejects(check, fn, *words, **kw):
     with pytest.raises(ex.ExerciseError) as info:
-        check(fn)
+        check(fn, **kw)
     msg = str(info.value)
     assert all(w in msg for w in words), msg
     return msg
 
 
-def test_solutions_pass(capsys):
-    ex.check_input_patch(ex.input_patch)
-    ex.check_scale_patch(ex.scale_patch)
-    ex.check_bisection_step(ex.bisection_step)
-    ex.check_algorithm1(ex.algorithm1)
+def accepts(check, fn, capsys, **kw):
+    c = check(fn, **kw)
     out = capsys.readouterr().out
-    assert out.count("✓") == 4 and "rank 1" in out and "divided by 1" in out
+    assert c.own and out.startswith("✓") and "(yours)" in out, out
+    return c, out
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root"])
+def test_a_stub_runs_the_solution_and_says_so(name, capsys):
+    c = getattr(ex, f"check_{name}")(stub)
+    out = capsys.readouterr().out
+    assert not c.own and c.fn is getattr(sol, name) and c.report["own"] is False
+    assert f"{name} is not written yet" in out and f"ctxpatch_lite.solutions.{name}" in out and "✓" in out
+    assert "(the solution)" in out
+
+
+# -------------------------------------------------------------------------------------------- RMSNorm (01)
+def test_rms_norm_accepts_correct_answers(capsys):
+    def divide(x, w, eps):
+        xf = x.double() if x.dtype == torch.float64 else x.float()
+        return (xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + eps) * (1 + w.to(xf.dtype))).to(x.dtype)
+    accepts(ex.check_rms_norm, sol.rms_norm, capsys)
+    accepts(ex.check_rms_norm, divide, capsys)
+
+    def as_transformers(x, w, eps):                 # Gemma3RMSNorm's own arithmetic: float32 whatever the input
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).type_as(x)
+    _, out = accepts(ex.check_rms_norm, as_transformers, capsys)
+    assert "computes in float32, as transformers' class does" in out
+
+
+def test_rms_norm_wrong_answers():
+    def f32(fn):
+        return lambda x, w, eps: fn(x.double() if x.dtype == torch.float64 else x.float(), w, eps).to(x.dtype)
+    rejects(ex.check_rms_norm, f32(lambda x, w, e: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + e) * w), "1 + w")
+    rejects(ex.check_rms_norm, f32(lambda x, w, e: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * (1 + w)),
+            "epsilon")
+    rejects(ex.check_rms_norm, f32(lambda x, w, e: x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + e) * (1 + w)),
+            "mean")
+    rejects(ex.check_rms_norm, f32(lambda x, w, e: x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + e) * (1 + w)),
+            "last axis")
+    rejects(ex.check_rms_norm, f32(lambda x, w, e: torch.nn.functional.layer_norm(x, x.shape[-1:], eps=e) * (1 + w)),
+            "LayerNorm")
+    rejects(ex.check_rms_norm, lambda x, w, e: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + e) * (1 + w),
+            "float32")
+    rejects(ex.check_rms_norm, lambda x, w, e: sol.rms_norm(x, w, e).float(), "cast back")
+
+
+# -------------------------------------------------------------------------------------------- the block (01)
+@pytest.fixture(scope="module")
+def tiny():
+    from ctxpatch_lite.fixtures import tiny_gemma3
+    return tiny_gemma3(seed=0, dtype="float32")
+
+
+def _block(fix):
+    """The solution with one line changed by ``fix(name, value, parts) -> value``."""
+    def fn(block, x, positions=None):
+        n, eps, gelu = block.norms, block.eps, torch.nn.functional.gelu
+        attn = block.attention(sol.rms_norm(x, n["input_layernorm"], eps), positions)
+        v = fix("v", x + sol.rms_norm(attn, n["post_attention_layernorm"], eps), locals())
+        z = fix("z", sol.rms_norm(v, n["pre_feedforward_layernorm"], eps), locals())
+        h_g = fix("h_g", gelu(z @ block.W_gate.T, approximate="tanh") * (z @ block.W_up.T), locals())
+        out = fix("out", v + sol.rms_norm(h_g @ block.W_down.T, n["post_feedforward_layernorm"], eps), locals())
+        return v, z, h_g, out
+    return fn
+
+
+def test_gemma_block_accepts_correct_answers(tiny, capsys):
+    def linear(block, x, positions=None):
+        F, n, eps = torch.nn.functional, block.norms, block.eps
+        v = x + sol.rms_norm(block.attention(sol.rms_norm(x, n["input_layernorm"], eps)), n["post_attention_layernorm"], eps)
+        z = sol.rms_norm(v, n["pre_feedforward_layernorm"], eps)
+        h_g = F.gelu(F.linear(z, block.W_gate), approximate="tanh") * F.linear(z, block.W_up)
+        return v, z, h_g, v + sol.rms_norm(F.linear(h_g, block.W_down), n["post_feedforward_layernorm"], eps)
+    c, out = accepts(ex.check_gemma_block, sol.gemma_block, capsys, model=tiny, ids=IDS)
+    assert c.report["layers"] == 4 and "all 4 layers" in out
+    accepts(ex.check_gemma_block, linear, capsys, model=tiny, ids=IDS)
+    c = ex.check_gemma_block(stub, model=tiny, ids=IDS)
+    assert not c.own and "gemma_block is not written yet" in capsys.readouterr().out
+
+
+def test_gemma_block_wrong_answers(tiny):
+    gelu = torch.nn.functional.gelu
+
+    def swap(name, value):
+        return _block(lambda n, v, loc: value(loc) if n == name else v)
+
+    def norm(loc, key, x):
+        return sol.rms_norm(x, loc["n"][key], loc["eps"])
+    kw = dict(model=tiny, ids=IDS)
+    rejects(ex.check_gemma_block, swap("v", lambda l: norm(l, "post_attention_layernorm", l["attn"])), "residual x", **kw)
+    rejects(ex.check_gemma_block, swap("v", lambda l: l["x"] + l["attn"]), "post-attention norm", **kw)
+    rejects(ex.check_gemma_block, swap("z", lambda l: l["v"]), "pre-feed-forward RMSNorm of v", **kw)
+    rejects(ex.check_gemma_block, swap("h_g", lambda l: gelu(l["z"] @ l["block"].W_gate.T) * (l["z"] @ l["block"].W_up.T)),
+            "tanh", **kw)
+    rejects(ex.check_gemma_block, swap("h_g", lambda l: gelu(l["z"] @ l["block"].W_up.T, approximate="tanh")
+                                       * (l["z"] @ l["block"].W_gate.T)), "gate projection", **kw)
+    rejects(ex.check_gemma_block, swap("out", lambda l: l["v"] + l["h_g"] @ l["block"].W_down.T),
+            "post-feed-forward norm", **kw)
+    rejects(ex.check_gemma_block, swap("out", lambda l: l["x"] + norm(l, "post_feedforward_layernorm",
+                                                                      l["h_g"] @ l["block"].W_down.T)),
+            "not the block input x", **kw)
+    rejects(ex.check_gemma_block, lambda b, x, p=None: sol.gemma_block(b, x, p)[:3], "(v, z, h_g, out)", **kw)
+
+
+# -------------------------------------------------------------------------------------------- input patch (02)
+def test_input_patch_accepts_every_correct_answer(capsys):
+    _, out = accepts(ex.check_input_patch, sol.input_patch, capsys)
+    assert "it is the paper's patch" in out
+
+    def other_direction(W, z, zc):              # also exact and rank 1: W(z_C - z) a^T / (a^T z) with a != z
+        a = z + 0.3 * torch.ones_like(z)
+        return torch.outer(W @ (zc - z), a) / a.dot(z)
+    c, out = accepts(ex.check_input_patch, other_direction, capsys)
+    assert "not the paper's" in out and "smallest" in out and c.report["minimum_norm"] is False
+    accepts(ex.check_input_patch, lambda W, z, zc: (W @ zc - W @ z)[:, None] * z[None, :] / (z @ z), capsys)
 
 
 def test_input_patch_wrong_answers():
@@ -30,40 +148,68 @@ def test_input_patch_wrong_answers():
     rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(z, W @ (zc - z)) / z.dot(z), "transpose")
     rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(zc - z, z) / z.dot(z), "left factor is W(z_C − z)")
     rejects(ex.check_input_patch, lambda W, z, zc: W @ (zc - z), "W's shape")
-    rejects(ex.check_input_patch, lambda W, z, zc: 0.5 * ex.input_patch(W, z, zc), "(W + ΔW) z should equal W z_C")
+    rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(W @ (zc - z), z), "normalisation 1/‖z‖²")
+
+    def rank2(W, z, zc):                        # exact on z, but with a second direction orthogonal to z
+        q = torch.randn(z.shape, dtype=z.dtype, generator=torch.Generator().manual_seed(1))
+        q = q - q.dot(z) / z.dot(z) * z
+        return sol.input_patch(W, z, zc) + torch.outer(torch.ones(W.shape[0], dtype=W.dtype), q)
+    rejects(ex.check_input_patch, rank2, "rank 2")
+
+
+def test_learner_exceptions_are_named_not_hidden():
+    def broken(W, z, zc):
+        return W @ zc @ z          # a shape error of the learner's own
+    msg = rejects(ex.check_input_patch, broken, "input_patch raised")
+    assert "RuntimeError" in msg
+
+
+# -------------------------------------------------------------------------------------------- scale patch (02)
+def test_scale_patch_accepts_every_correct_answer(capsys):
+    _, out = accepts(ex.check_scale_patch, sol.scale_patch, capsys)
+    assert "divides by 1 there, as the paper does" in out
+    c, out = accepts(ex.check_scale_patch, lambda v, vc, h, m: torch.where(h == 0, torch.zeros_like(h),
+                                                                           (vc - v) / torch.where(h == 0, 1.0, h)),
+                     capsys)                    # any finite value where h_i = 0 is right
+    assert "the paper divides by 1 there" in out and c.report["divides_by_1_at_zeros"] is False
 
 
 def test_scale_patch_wrong_answers():
-    rejects(ex.check_scale_patch, lambda v, vc, h, m: (vc - v) / h, "not finite", "divide by 1")
-    rejects(ex.check_scale_patch, lambda v, vc, h, m: ex.scale_patch(v, vc, m * h, m), "not by m ⊙ h")
-    rejects(ex.check_scale_patch, lambda v, vc, h, m: ex.scale_patch(vc, v, h, m), "sign")
-    rejects(ex.check_scale_patch, lambda v, vc, h, m: m + ex.scale_patch(v, vc, h, m), "new scale")
-    rejects(ex.check_scale_patch, lambda v, vc, h, m: ex.scale_patch(v, vc, h, m) - 1, "1 + w offset")
-    rejects(ex.check_scale_patch, lambda v, vc, h, m: torch.nan_to_num((vc - v) / h, posinf=0.0, neginf=0.0),
-            "divides by 1" if False else "divide", "set Δm_i = 0")
+    rejects(ex.check_scale_patch, lambda v, vc, h, m: (vc - v) / h, "not finite", "divides by 1 there")
+    rejects(ex.check_scale_patch, lambda v, vc, h, m: sol.scale_patch(v, vc, m * h, m), "not by m ⊙ h")
+    rejects(ex.check_scale_patch, lambda v, vc, h, m: sol.scale_patch(vc, v, h, m), "sign")
+    rejects(ex.check_scale_patch, lambda v, vc, h, m: m + sol.scale_patch(v, vc, h, m), "new scale")
+    rejects(ex.check_scale_patch, lambda v, vc, h, m: sol.scale_patch(v, vc, h, m) - 1, "1 + w offset")
+    rejects(ex.check_scale_patch, lambda v, vc, h, m: sol.scale_patch(v, vc, h, m) + 1, "no +1")
     rejects(ex.check_scale_patch, lambda v, vc, h, m: (vc - v).sum(), "v's shape")
 
 
-def test_bisection_step_wrong_answers():
-    def swapped(lo, hi, g, m):
-        mid = (lo + hi) / 2
-        return (lo, mid) if ex.secular(mid, g, m) < 0 else (mid, hi)
+# -------------------------------------------------------------------------------------------- Algorithm 1 (03)
+def test_algorithm1_accepts_correct_answers(capsys):
+    def while_loop(model, ids, tools):
+        targets, blocks = tools.full_context_targets(model, ids), tools.blocks(model)
+        x, layer = tools.query_embedding(model, ids), 0
+        while layer < len(blocks):
+            x = tools.theorem1_block(blocks[layer], x, len(ids) - 1, targets[layer])
+            layer += 1
+        return tools.logits(model, x)
+    def position_zero(model, ids, tools):          # a token alone attends to itself only: RoPE changes nothing
+        targets, x = tools.full_context_targets(model, ids), tools.query_embedding(model, ids)
+        for l, b in enumerate(tools.blocks(model)):
+            x = tools.theorem1_block(b, x, 0, targets[l])
+        return tools.logits(model, x)
 
-    def summed(lo, hi, g, m):
-        mid = (lo + hi) / 2
-        F = float(((g * m) ** 2 / (m ** 2 - mid) ** 2).sum() - 1)
-        return (mid, hi) if F < 0 else (lo, mid)
+    accepts(ex.check_algorithm1, sol.algorithm1, capsys)
+    accepts(ex.check_algorithm1, while_loop, capsys)
+    _, out = accepts(ex.check_algorithm1, position_zero, capsys)
+    assert "changes nothing" in out
+    c = ex.check_algorithm1(stub)
+    assert not c.own and "algorithm1 is not written yet" in capsys.readouterr().out
 
-    def unsquared(lo, hi, g, m):
-        mid = (lo + hi) / 2
-        F = float(((g * m) ** 2 / (m ** 2 - mid)).mean() - 1)
-        return (mid, hi) if F < 0 else (lo, mid)
 
-    rejects(ex.check_bisection_step, swapped, "swapped")
-    rejects(ex.check_bisection_step, summed, "1/n")
-    rejects(ex.check_bisection_step, unsquared, "squared")
-    rejects(ex.check_bisection_step, lambda lo, hi, g, m: (lo + hi) / 2, "pair (lo, hi)")
-    rejects(ex.check_bisection_step, lambda lo, hi, g, m: ((lo + hi) / 2,) * 2, "not the midpoint twice")
+def test_algorithm1_with_the_learners_patch_functions(capsys):
+    tools = ex.make_tools(lambda W, z, zc: torch.outer(W @ (zc - z), z + 1) / (z + 1).dot(z), sol.scale_patch)
+    accepts(ex.check_algorithm1, sol.algorithm1, capsys, tools=tools)   # another exact input patch: still exact
 
 
 def test_algorithm1_wrong_answers():
@@ -86,11 +232,12 @@ def test_algorithm1_wrong_answers():
             x = tools.theorem1_block(b, x, len(ids) - 1, targets[l])
         return tools.logits(model, x)
 
-    def position_zero(model, ids, tools):
-        targets, x = tools.full_context_targets(model, ids), tools.query_embedding(model, ids)
+    def unpatched_logits(model, ids, tools):
+        targets, x0 = tools.full_context_targets(model, ids), tools.query_embedding(model, ids)
+        x = x0
         for l, b in enumerate(tools.blocks(model)):
-            x = tools.theorem1_block(b, x, 0, targets[l])
-        return tools.logits(model, x)
+            x = tools.theorem1_block(b, x, len(ids) - 1, targets[l])
+        return tools.logits(model, x0)
 
     def no_patch(model, ids, tools):
         x = tools.query_embedding(model, ids)
@@ -98,22 +245,22 @@ def test_algorithm1_wrong_answers():
             x = b(x[None], positions=torch.tensor([len(ids) - 1])).out[0]
         return tools.logits(model, x)
 
+    def wrong_targets(model, ids, tools):
+        targets, x = tools.full_context_targets(model, ids), tools.query_embedding(model, ids)
+        for l, b in enumerate(tools.blocks(model)):
+            x = tools.theorem1_block(b, x, len(ids) - 1, targets[0])
+        return tools.logits(model, x)
+
     rejects(ex.check_algorithm1, no_chain, "query embedding again")
     rejects(ex.check_algorithm1, oracle, "oracle")
     rejects(ex.check_algorithm1, one_short, "patches every layer")
-    rejects(ex.check_algorithm1, position_zero, "absolute position")
+    rejects(ex.check_algorithm1, unpatched_logits, "unpatched query embedding")
     rejects(ex.check_algorithm1, no_patch, "never called")
-
-
-def test_learner_exceptions_are_named_not_hidden():
-    def broken(W, z, zc):
-        return W @ zc @ z          # a shape error of the learner's own
-    msg = rejects(ex.check_input_patch, broken, "input_patch raised")
-    assert "RuntimeError" in msg
+    rejects(ex.check_algorithm1, wrong_targets, "another layer's targets")
 
 
 def test_from_scratch_full_context_is_the_real_model():
-    """The pieces of exercise 4 are the real model: the from-scratch full-context logits equal transformers' up to
+    """The pieces of the loop are the real model: the from-scratch full-context logits equal transformers' up to
     its float32 RMSNorms (it computes them in float32 even for a float64 model)."""
     from ctxpatch_lite.fixtures import tiny_gemma3
     model = tiny_gemma3(seed=5, dtype="float64")
@@ -123,3 +270,58 @@ def test_from_scratch_full_context_is_the_real_model():
     rel = float((ours - theirs).abs().max() / theirs.abs().max())
     assert rel < 1e-5
     assert int(ours.argmax()) == int(theirs.argmax())
+
+
+# -------------------------------------------------------------------------------------------- secular root (04)
+def test_secular_root_accepts_any_method(capsys):
+    def doubling_then_bisection(g, m):           # another bracket, the constraint itself as the test
+        top = float((m ** 2).min())
+        lo, step = top - 1.0, 1.0
+        while float(((g * m / (m ** 2 - lo)) ** 2).mean()) > 1:
+            step *= 2
+            lo = top - step
+        hi = top
+        for _ in range(300):
+            mid = (lo + hi) / 2
+            if float(((g * m / (m ** 2 - mid)) ** 2).mean()) < 1:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
+    accepts(ex.check_secular_root, sol.secular_root, capsys)
+    accepts(ex.check_secular_root, doubling_then_bisection, capsys)
+    accepts(ex.check_secular_root, lambda g, m: torch.tensor(sol.secular_root(g, m), dtype=torch.float64), capsys)
+
+
+def test_secular_root_wrong_answers():
+    def bisect(F):
+        def root(g, m):
+            lo, hi = float((m ** 2).min()) - 100.0, float((m ** 2).min())
+            for _ in range(200):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if F(mid, g, m) < 0 else (lo, mid)
+            return lo
+        return root
+    rejects(ex.check_secular_root, bisect(lambda mu, g, m: float(((g * m) ** 2 / (m ** 2 - mu) ** 2).sum() - 1)),
+            "*mean*")
+    rejects(ex.check_secular_root, bisect(lambda mu, g, m: float(((g * m) ** 2 / (m ** 2 - mu)).mean() - 1)), "squared")
+
+    def m_not_m2(g, m):
+        lo, hi = float(m.min()) - 100.0, float(m.min())
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if float(((g * m / (m - mid)) ** 2).mean() - 1) < 0 else (lo, mid)
+        return lo
+    rejects(ex.check_secular_root, m_not_m2, "m_k²")
+    rejects(ex.check_secular_root, lambda g, m: float((m ** 2).max()) + 1.0, "not below min m_k²")
+    rejects(ex.check_secular_root, lambda g, m: g * m / (m ** 2 - sol.secular_root(g, m)), "is it y?")
+    rejects(ex.check_secular_root, lambda g, m: sol.secular_root(g, m) - 0.01, "constraint misses")
+    rejects(ex.check_secular_root, lambda g, m: torch.tensor(sol.secular_root(g, m)), "float64")
+
+    def fixed_bracket(g, m):                         # [min m² − 10, min m²]: misses a root further left
+        lo, hi = float((m ** 2).min()) - 10.0, float((m ** 2).min())
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if float(sol.secular(mid, g, m)) < 0 else (lo, mid)
+        return lo
+    rejects(ex.check_secular_root, fixed_bracket, "does your bracket reach it")

@@ -1,0 +1,89 @@
+"""Solutions to the course's exercises. Try the exercise first: the notebook's cell is a stub, and its check says
+what is wrong with your answer. While a stub is unwritten, the check runs the solution from here instead (and says
+so), so the notebook still runs to the end.
+
+=======================  =================================================  ===========================
+lesson                   the function you write                             the check
+=======================  =================================================  ===========================
+01 a Gemma 3 block       ``rms_norm(x, w, eps)``                            ``exercises.check_rms_norm``
+01                       ``gemma_block(block, x, positions) -> (v, z, h_g,   ``exercises.check_gemma_block``
+                         out)``
+02 Theorem 1             ``input_patch(W, z, z_C) -> dW``                   ``exercises.check_input_patch``
+02                       ``scale_patch(v, v_C, h, m) -> dm``                ``exercises.check_scale_patch``
+03 Algorithm 1           ``algorithm1(model, ids, tools) -> logits``        ``exercises.check_algorithm1``
+04 Appendix B            ``secular_root(g, m) -> mu``                       ``exercises.check_secular_root``
+=======================  =================================================  ===========================
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalise in float32 (float64 stays float64), scale by (1 + w), cast back to x's dtype."""
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(cdt)
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (n * (1.0 + w.to(cdt))).to(x.dtype)
+
+
+def gemma_block(block, x: torch.Tensor, positions: torch.Tensor | None = None):
+    """One Gemma 3 decoder layer on the rows ``x`` (T, d) of one sequence, from its parts (``block``: a
+    ``ctxpatch_lite.block.GemmaBlock``): returns ``(v, z, h_g, out)``.
+
+        v   = x + RMSNorm_post-attn(Attn(RMSNorm_in(x)))
+        z   = RMSNorm_pre-FF(v)
+        h_g = GELU_tanh(W_gate z) * (W_up z)
+        out = v + RMSNorm_post-FF(W_down h_g)
+    """
+    n = block.norms
+    attn = block.attention(rms_norm(x, n["input_layernorm"], block.eps), positions)
+    v = x + rms_norm(attn, n["post_attention_layernorm"], block.eps)
+    z = rms_norm(v, n["pre_feedforward_layernorm"], block.eps)
+    h_g = torch.nn.functional.gelu(z @ block.W_gate.T, approximate="tanh") * (z @ block.W_up.T)
+    out = v + rms_norm(h_g @ block.W_down.T, n["post_feedforward_layernorm"], block.eps)
+    return v, z, h_g, out
+
+
+def input_patch(W: torch.Tensor, z: torch.Tensor, z_C: torch.Tensor) -> torch.Tensor:
+    """Eqs. 2-3: dW = W (z_C - z) z^T / ||z||^2, so that (W + dW) z = W z_C. W (out, in); z, z_C (in,).
+    Of all the matrices with dW z = W (z_C - z), this one has the smallest Frobenius norm."""
+    return torch.outer(W @ (z_C - z), z) / z.dot(z)
+
+
+def scale_patch(v: torch.Tensor, v_C: torch.Tensor, h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Eq. 4: dm = (v_C - v) / h, dividing by 1 where h_i == 0 exactly (the paper's guard), so that
+    v + (m + dm) * h = v_C + m * h wherever h_i != 0. ``m`` is not needed: dm is a change of the scale, the same
+    whether the model stores m or w = m - 1."""
+    return (v_C - v) / torch.where(h == 0, torch.ones_like(h), h)
+
+
+def algorithm1(model, ids: list, tools) -> torch.Tensor:
+    """Algorithm 1 for the last token of ``ids``: every layer patched from the actual output of the patched layer
+    below, on the query alone; returns the next-token logits."""
+    targets = tools.full_context_targets(model, ids)      # one record per layer: v_C, z_C at the query
+    x = tools.query_embedding(model, ids)                  # the query token alone
+    position = len(ids) - 1
+    for layer, block in enumerate(tools.blocks(model)):
+        x = tools.theorem1_block(block, x, position, targets[layer])
+    return tools.logits(model, x)
+
+
+def secular(mu, g: torch.Tensor, m: torch.Tensor):
+    """F(mu) = mean_k (g_k m_k)^2 / (m_k^2 - mu)^2 - 1, increasing on (-inf, min m^2) (Appendix B)."""
+    return ((g * m) ** 2 / (m ** 2 - mu) ** 2).mean() - 1
+
+
+def secular_root(g: torch.Tensor, m: torch.Tensor, steps: int = 200) -> float:
+    """The root mu* < min m^2 of F (Appendix B), by bisection: F(lo) < 0 at lo = min m^2 - sqrt(mean (g m)^2) - 1
+    (every (m_k^2 - lo)^2 exceeds mean (g m)^2 there), F -> +inf at min m^2. Then y = g m / (m^2 - mu*) has
+    mean(y^2) = 1."""
+    g, m = g.double(), m.double()
+    m2 = float((m ** 2).min())
+    lo, hi = m2 - float(((g * m) ** 2).mean().sqrt()) - 1.0, m2
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        if not lo < mid < hi:
+            break
+        lo, hi = (mid, hi) if float(secular(mid, g, m)) < 0 else (lo, mid)
+    return lo
