@@ -59,7 +59,7 @@ def block_diagram():
     drawn as ⊕ nodes, and the sites its patches act on: orange for Theorem 1 (rank-1 ΔW_gate, ΔW_up; the scale patch
     Δm), violet for what Appendix B's stable variant adds (a rank-1 ΔW_down)."""
     fig, ax = plt.subplots(figsize=(13.5, 4.4))
-    ax.set_xlim(0, 17.3)
+    ax.set_xlim(0, 17.4)
     ax.set_ylim(0.2, 6.2)
     ax.axis("off")
     hgt = 0.95
@@ -68,16 +68,16 @@ def block_diagram():
         "attn": (3.8, 1.6, 1.55, "attention\n(the context\nenters here)", "#dde8f5"),
         "pa": (5.75, 1.6, 1.45, "post-attn\nRMSNorm", "#dde8f5"),
         "pf": (7.175, 4.3, 1.45, "pre-FF\nRMSNorm", "#dde8f5"), "gu": (9.3, 4.3, 1.6, "W_gate, W_up\n+ rank-1 ΔW", THEOREM1),
-        "down": (11.55, 4.3, 1.5, "W_down\n+ rank-1 ΔW", STABLE),
-        "post": (13.6, 4.3, 1.95, "post-FF RMSNorm\nh = N(W_down h_g)\nscale m + Δm", THEOREM1),
-        "out": (15.7, 1.6, 1.3, "out", "#eeeeee"),
+        "down": (11.8, 4.3, 1.45, "W_down\n+ rank-1 ΔW", STABLE),
+        "post": (13.75, 4.3, 1.95, "post-FF RMSNorm\nh = N(W_down h_g)\nscale m + Δm", THEOREM1),
+        "out": (15.95, 1.6, 1.3, "out", "#eeeeee"),
     }
     for x, y, w, text, color in boxes.values():
         ax.add_patch(matplotlib.patches.FancyBboxPatch((x, y), w, hgt, boxstyle="round,pad=0.05", fc=color,
                                                        ec="#555555", lw=1, ls="--" if color == STABLE else "-"))
         ax.text(x + w / 2, y + hgt / 2, text, ha="center", va="center", fontsize=8)
     mid = 1.6 + hgt / 2
-    plus = {"v": (7.9, mid), "out": (14.575, mid)}
+    plus = {"v": (7.9, mid), "out": (14.725, mid)}
     for px, py in plus.values():
         ax.add_patch(matplotlib.patches.Circle((px, py), 0.22, fc="white", ec="#333333", lw=1.2))
         ax.text(px, py, "+", ha="center", va="center", fontsize=12)

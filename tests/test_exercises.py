@@ -69,6 +69,11 @@ def test_rms_norm_wrong_answers():
             "float32")
     rejects(ex.check_rms_norm, lambda x, w, e: sol.rms_norm(x, w, e).float(), "cast back")
 
+    def scale_in_bfloat16(x, w, e):                  # normalises in float32, but 1 + w is rounded in bfloat16
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + e) * (1 + w)).to(x.dtype)
+    rejects(ex.check_rms_norm, scale_in_bfloat16, "1.0 + w.float()")
+
 
 # -------------------------------------------------------------------------------------------- the block (01)
 @pytest.fixture(scope="module")
@@ -125,6 +130,9 @@ def test_gemma_block_wrong_answers(tiny):
     rejects(ex.check_gemma_block, swap("out", lambda l: l["x"] + norm(l, "post_feedforward_layernorm",
                                                                       l["h_g"] @ l["block"].W_down.T)),
             "not the block input x", **kw)
+    rejects(ex.check_gemma_block, swap("out", lambda l: l["v"] + norm(l, "pre_feedforward_layernorm",
+                                                                      l["h_g"] @ l["block"].W_down.T)),
+            "post_feedforward_layernorm", **kw)
     rejects(ex.check_gemma_block, lambda b, x, p=None: sol.gemma_block(b, x, p)[:3], "(v, z, h_g, out)", **kw)
 
 
