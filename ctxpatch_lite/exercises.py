@@ -19,10 +19,15 @@ check                  the property                                     typical 
                        whether it is the minimum-norm one               transpose, a rank-2 patch
 ``check_scale_patch``  v + (m + dm) h = v_C + m h where h_i != 0;       sign, dividing by m h, m + dm, the 1 + w offset,
                        any finite dm_i where h_i = 0                    a non-finite dm_i at h_i = 0
+``check_theorem1_``    the patched layer on the query alone gives the   unpatched, no scale patch, dm on the unpatched
+``block``              full-context output (every layer, tiny model)    h, swapped input_patch arguments, exact GELU
 ``check_algorithm1``   every layer patched, in order, from the patched  the oracle input, the embedding fed twice, a
                        layer below (any position: one token alone)      missing layer, wrong targets, no patches
 ``check_secular_root`` mu < min m^2 and mean(y(mu)^2) = 1               the branch above min m^2, sum for mean, an
                                                                         unsquared denominator, m for m^2
+``check_stable_patch`` dW_down rank 1, the new post-norm input           the naive patch (dW = 0), ||h_g|| for ||h_g||^2,
+                       normalises to Appendix B's y, (m + dm) N = g;    y without m, g for y, the remainder r for dm,
+                       any scale of h_target (says the paper's)         dividing by m
 =====================  ===============================================  =================================================
 """
 from __future__ import annotations
@@ -289,9 +294,23 @@ def check_gemma_block(fn: Callable | None, model, ids: list, rms_norm: Callable 
                                         f"the check allows {tol:g}). " + (hint or "Compare with the equations "
                                         "above, one line per quantity."))
                 worst[key] = max(worst[key], err)
+    if dtype != torch.float32 and own:
+        # bfloat16 rounding (tolerance 6e-2) can hide a real mistake such as the exact GELU: the same function must
+        # also pass on a tiny float32 Gemma 3 at float32's tolerance
+        import contextlib
+        import io
+
+        from .fixtures import tiny_gemma3
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                check_gemma_block(fn, tiny_gemma3(seed=0, dtype="float32"), list(range(3, 15)), rms_norm=rms_norm)
+        except ExerciseError as e:
+            raise ExerciseError(f"on a tiny float32 Gemma 3 (where bfloat16 rounding cannot hide it): {e}") from None
     print(f"✓ gemma_block ({_whose(own)}): v, z, h_g and out equal Gemma3DecoderLayer's on all {len(blocks)} layers "
           f"of this model ({len(ids)} tokens); largest relative difference {max(worst.values()):.1e} (allowed "
           f"{tol:g}, {str(dtype).removeprefix('torch.')} rounding)")
+    if dtype != torch.float32 and own:
+        print("  and on a tiny float32 Gemma 3 at float32's tolerance, where bfloat16 rounding cannot hide a mistake")
     return Checked("gemma_block", fn, own, {"layers": len(blocks), "tokens": len(ids), "max_rel_difference": worst,
                                              "allowed": tol})
 
@@ -380,6 +399,8 @@ def _scale_cases() -> list:
         if seed:                                                   # an exact zero: the guard's case
             h[seed] = 0.0
         m = 1.0 + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+        if seed == 2:                                              # tiny but not zero, as on real layers (2e-7)
+            h[0] = 1e-9
         out.append((v, v_C, h, m))
     return out
 
@@ -419,6 +440,16 @@ def check_scale_patch(fn: Callable | None) -> Checked:
         err = float((lhs - rhs)[nz].abs().max() / rhs[nz].abs().max())
         if err > 1e-12:
             hint = _hint(out, _scale_wrong(v, vc, h, m), 1e-12)
+            tiny = nz & (h.abs() < 1e-6)
+            bad = ((lhs - rhs).abs() > 1e-12 * rhs[nz].abs().max()) & nz
+            if hint is None and bool(tiny.any()) and bool(bad.any()) and bool((bad <= tiny).all()):
+                hint = (f"wrong only where h_i is tiny but not 0 (h = {float(h[tiny][0]):.0e} here): divide by h itself, "
+                        "not by h + eps or a clamped h. There Δm_i must be huge (the real model has |h_i| down to "
+                        "2e-7); guard only the exact zeros (torch.where(h == 0, 1, h)).")
+            if hint is None and err < 1e-6:
+                hint = (f"close but not exact (relative error {err:.1e}; the cases are float64, so the check asks for "
+                        "1e-12): is there an epsilon added to h, or a computation in float32? Divide by h itself and "
+                        "guard only the exact zeros.")
             raise ExerciseError(hint or f"v + (m + Δm) ⊙ h should equal v_C + m ⊙ h where h_i ≠ 0; they differ by "
                                         f"{err:.2e} (relative)")
         zeros += int((~nz).sum())
@@ -474,13 +505,15 @@ def logits(model, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(out / cap) * cap if cap else out
 
 
-def make_tools(input_patch: Callable = solutions.input_patch, scale_patch: Callable = solutions.scale_patch):
-    """The pieces the Algorithm 1 loop is written with (notebook 03), with ``theorem1_block`` built from the given
-    patch functions (the learner's from notebook 02, or the package's)."""
+def make_tools(input_patch: Callable = solutions.input_patch, scale_patch: Callable = solutions.scale_patch,
+               theorem1_block: Callable | None = None):
+    """The pieces the Algorithm 1 loop is written with (notebook 03), with ``theorem1_block`` the learner's (checked
+    by ``check_theorem1_block``) or one built from the given patch functions (the learner's from notebook 02, or the
+    package's)."""
     from .block import unit_rms
 
     @torch.no_grad()
-    def theorem1_block(block, x: torch.Tensor, position: int, target) -> torch.Tensor:
+    def built(block, x: torch.Tensor, position: int, target) -> torch.Tensor:
         """One block on the query row ``x`` alone (at its absolute ``position``), patched by Theorem 1 against the
         full-context ``target``: the input patches, then the scale patch on the h the patched MLP computes."""
         tr = block(x[None], positions=torch.tensor([position]))
@@ -494,7 +527,66 @@ def make_tools(input_patch: Callable = solutions.input_patch, scale_patch: Calla
         return (v.to(h.dtype) + (m + dm) * h).to(x.dtype)
 
     return SimpleNamespace(blocks=blocks, full_context_targets=full_context_targets, query_embedding=query_embedding,
-                           theorem1_block=theorem1_block, logits=logits)
+                           theorem1_block=theorem1_block or built, logits=logits)
+
+
+def check_theorem1_block(fn: Callable | None, input_patch: Callable = solutions.input_patch,
+                         scale_patch: Callable = solutions.scale_patch, cases: list | None = None) -> Checked:
+    """03: ``fn(block, x, position, target)`` must return the output row of ``block`` run on the row ``x`` alone,
+    patched by Theorem 1 against ``target`` (``z_C``, ``v_C``): the property is that it equals the full-context
+    output ``target.out_C``. Checked on every layer of a tiny float64 Gemma 3, at the query of two prompts, each layer
+    fed its full-context input (so that its target is exact)."""
+    cases = cases or _algorithm1_cases()
+    model, ids = cases[0]
+    first = (blocks(model)[0], full_context_targets(model, ids)[0].x_C, len(ids) - 1,
+             full_context_targets(model, ids)[0])
+    fn, own = _begin("theorem1_block", fn, first)
+    worst = 0.0
+    for model, ids in cases:
+        targets, p = full_context_targets(model, ids), len(ids) - 1
+        for l, (block, t) in enumerate(zip(blocks(model), targets)):
+            out = _call(fn, (block, t.x_C, p, t), "theorem1_block")
+            if not isinstance(out, torch.Tensor) or out.shape != t.out_C.shape:
+                raise ExerciseError(f"theorem1_block must return the output row, shape {tuple(t.out_C.shape)}; got "
+                                    f"{getattr(out, 'shape', type(out).__name__)}")
+            err = _rel(out, t.out_C)
+            if err > 1e-9:
+                with torch.no_grad():
+                    tr = block(t.x_C[None], positions=torch.tensor([p]))
+                    v, z = tr.v[0], tr.z[0]
+                    gelu = torch.nn.functional.gelu
+                    n = lambda y: y / torch.sqrt(y.pow(2).mean() + block.eps)
+                    m = 1.0 + block.norms["post_feedforward_layernorm"]
+                    Wg = block.W_gate + input_patch(block.W_gate, z, t.z_C)
+                    Wu = block.W_up + input_patch(block.W_up, z, t.z_C)
+                    h = n(block.W_down @ (gelu(Wg @ z, approximate="tanh") * (Wu @ z)))
+                    h0 = n(block.W_down @ (gelu(block.W_gate @ z, approximate="tanh") * (block.W_up @ z)))
+                    hs = n(block.W_down @ (gelu((block.W_gate + input_patch(block.W_gate, t.z_C, z)) @ z,
+                                                approximate="tanh") * ((block.W_up + input_patch(block.W_up, t.z_C, z)) @ z)))
+                    wrong = {
+                        "This is the unpatched block's output on the query alone: patch W_gate and W_up with "
+                        "input_patch(W, z, target.z_C), and the scale with scale_patch.": tr.out[0],
+                        "The MLP is patched, but the output misses what attention added with the context: add the "
+                        "scale patch, v + (m + Δm) ⊙ h with Δm = scale_patch(v, target.v_C, h, m).": v + m * h,
+                        "Δm must divide by the h of the *patched* MLP on z (after the input patches), not by the "
+                        "unpatched MLP's h.": v + (m + scale_patch(v, t.v_C, h0, m)) * h,
+                        "input_patch(W, z, z_C) maps the query's z to z_C: its arguments are (W, z, target.z_C), in "
+                        "that order.": v + (m + scale_patch(v, t.v_C, hs, m)) * hs,
+                        "Return the layer's output v + (m + Δm) ⊙ h, not v.": v,
+                        "GELU with the tanh approximation, as in lesson 01: gelu(..., approximate='tanh').":
+                            v + (m + scale_patch(v, t.v_C, n(block.W_down @ (gelu(Wg @ z) * (Wu @ z))), m))
+                            * n(block.W_down @ (gelu(Wg @ z) * (Wu @ z))),
+                    }
+                hint = _hint(out, wrong, 1e-9)
+                raise ExerciseError(f"layer {l}: the patched output differs from the full-context output by "
+                                    f"{err:.2e} (relative). " + (hint or "Follow lesson 02: input patches, the "
+                                    "patched MLP on z, h = N(W_down h_g), then the scale patch on that h."))
+            worst = max(worst, err)
+    print(f"✓ theorem1_block ({_whose(own)}): on every layer of a {len(blocks(model))}-layer Gemma 3 (float64), at the "
+          f"query of {len(cases)} prompts, the patched layer run on the query alone gives the full-context output to "
+          f"{worst:.1e} (relative)")
+    return Checked("theorem1_block", fn, own, {"cases": len(cases), "layers": len(blocks(model)),
+                                               "max_rel_error": worst})
 
 
 TOOLS = make_tools()
@@ -527,7 +619,7 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
         fn, own = _begin("algorithm1", None, ())
     else:
         own = True
-    moved = False
+    moved, block_worst, logit_worst = False, 0.0, 0.0
     for model, ids in cases:
         calls = []
         out = _call(fn, (model, list(ids), _spy_tools(calls, tools)), "algorithm1")
@@ -542,6 +634,9 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
                                 "in order (for layer, block in enumerate(tools.blocks(model)))")
         x0 = query_embedding(model, ids)
         for k, c in enumerate(calls):
+            if c.block.W_gate is not model.model.layers[k].mlp.gate_proj.weight:
+                raise ExerciseError(f"call {k} of theorem1_block got the block of another layer: patch layer {k} with "
+                                    f"its own block (for layer, block in enumerate(tools.blocks(model))), in order")
             if not torch.equal(c.target.v_C, targets[k].v_C):
                 raise ExerciseError(f"layer {k} was patched against another layer's targets: pass targets[{k}]")
             if k == 0:
@@ -573,15 +668,17 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
             raise ExerciseError(f"the logits differ from the full-context logits by {rel:.2e} (relative): return "
                                 "tools.logits(model, x) with x the output of the last patched layer")
         moved = moved or any(c.position != p for c in calls)
+        block_worst, logit_worst = max(block_worst, block_rel), max(logit_worst, rel)
     print(f"✓ algorithm1 ({_whose(own)}): {len(cases)} prompts on a {L}-layer Gemma 3 (float64): every layer patched "
-          f"from the actual output of the patched layer below; each block's output within {block_rel:.1e} of its "
-          f"full-context output and the logits within {rel:.1e} of the full-context logits (relative)")
+          f"from the actual output of the patched layer below; each block's output within {block_worst:.1e} of its "
+          f"full-context output and the logits within {logit_worst:.1e} of the full-context logits (relative, the "
+          f"largest over the prompts)")
     if moved:
         print("  note: you ran the query at another position than its own, len(ids) - 1. For one token alone that "
               "changes nothing: its attention has a single key, whose softmax weight is 1 whatever RoPE does to q and "
               "k. The engine keeps the prompt's position, as the paper's setting does.")
-    return Checked("algorithm1", fn, own, {"prompts": len(cases), "layers": L, "block_error": block_rel,
-                                           "logit_error": rel})
+    return Checked("algorithm1", fn, own, {"prompts": len(cases), "layers": L, "block_error": block_worst,
+                                           "logit_error": logit_worst})
 
 
 # ---------------------------------------------------------------------------------------------- 04: the secular root
@@ -654,3 +751,94 @@ def check_secular_root(fn: Callable | None) -> Checked:
     print(f"✓ secular_root ({_whose(own)}): on {len(cases)} problems (n = {min(sizes)} to {max(sizes)}) μ* < min m² "
           f"and mean(y²) = 1 to {worst:.1e}")
     return Checked("secular_root", fn, own, {"cases": len(cases), "sizes": sizes, "max_constraint_error": worst})
+
+
+
+# ------------------------------------------------------------------------------------- 04: the stable update, steps 3-4
+def _stable_cases() -> list:
+    """Random float64 problems of a post-norm of width 24 after an MLP of width 40, with h_down_C of RMS about 30 (so
+    that Gemma's eps inside N is negligible) and m away from 0."""
+    out = []
+    for seed in range(3):
+        gen = _gen(400 + seed)
+        n, k = 24, 40
+        m = (0.3 + torch.rand(n, generator=gen, dtype=torch.float64)) * torch.where(
+            torch.rand(n, generator=gen, dtype=torch.float64) < 0.2, -1.0, 1.0)
+        h_g_C = torch.randn(k, generator=gen, dtype=torch.float64)
+        W_down = 5.0 * torch.randn(n, k, generator=gen, dtype=torch.float64)
+        h_down_C = W_down @ h_g_C
+        dv = torch.randn(n, generator=gen, dtype=torch.float64)
+        g = dv + m * h_down_C / torch.sqrt(h_down_C.pow(2).mean() + 1e-6)
+        out.append((g, m, solutions.secular_root(g, m), h_g_C, h_down_C, 1e-6))
+    return out
+
+
+def check_stable_patch(fn: Callable | None) -> Checked:
+    """04: ``fn(g, m, mu, h_g_C, h_down_C, eps)`` must return ``(dW_down, dm)``: a rank-1 dW_down with which the
+    post-norm's input (h_down_C + dW_down h_g_C) normalises to Appendix B's minimiser y = g m / (m^2 - mu), and a dm
+    with (m + dm) N(that input) = g. Any scale of h_target passes (N ignores it; the paper's has RMS(h_down_C)), and
+    the note says whether yours is the paper's."""
+    cases = _stable_cases()
+    fn, own = _begin("stable_patch", fn, cases[0])
+    worst, paper_scale = 0.0, True
+    N = lambda t, eps: t / torch.sqrt(t.pow(2).mean() + eps)
+    for g, m, mu, h_g_C, h_down_C, eps in cases:
+        out = _call(fn, (g, m, mu, h_g_C, h_down_C, eps), "stable_patch")
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise ExerciseError("stable_patch must return the pair (dW_down, dm)")
+        dW, dm = out
+        shape = (h_down_C.numel(), h_g_C.numel())
+        if not isinstance(dW, torch.Tensor) or tuple(dW.shape) != shape:
+            raise ExerciseError(f"dW_down must have W_down's shape {shape} (output width × MLP width): an outer product "
+                                f"(h_target − h_down_C) h_g_Cᵀ / ‖h_g_C‖²; got {tuple(getattr(dW, 'shape', ()))}")
+        if not isinstance(dm, torch.Tensor) or dm.shape != g.shape:
+            raise ExerciseError(f"dm must be a vector of g's shape {tuple(g.shape)}")
+        dW, dm = dW.double(), dm.double()
+        y = g * m / (m ** 2 - mu)
+        new = h_down_C + dW @ h_g_C
+        if float(dW.abs().max()) == 0.0:
+            raise ExerciseError("ΔW_down is zero, so this is the naive scale patch again: step 3 moves the post-norm's "
+                                "input to h_target = RMS(h_down_C) · y with the rank-1 ΔW_down = (h_target − h_down_C) "
+                                "h_g_Cᵀ / ‖h_g_C‖², and only the remainder goes into Δm")
+        s = torch.linalg.svdvals(dW)
+        if float(s[1]) > 1e-9 * float(s[0]):
+            raise ExerciseError(f"ΔW_down has rank > 1 (second singular value {float(s[1]):.2e}): it is one outer "
+                                "product, (h_target − h_down_C) h_g_Cᵀ / ‖h_g_C‖²")
+        unit = lambda t: t / t.pow(2).mean().sqrt()           # the direction, without eps (any scale of h_target)
+        err_y = _rel(unit(new), y)
+        if err_y > 1e-9:
+            wrong = {
+                "(W_down + ΔW_down) h_g_C must equal h_target: divide the outer product by ‖h_g_C‖² (h_g_C · h_g_C), "
+                "not by ‖h_g_C‖.": h_down_C + (dW * h_g_C.norm()) @ h_g_C,
+            }
+            hint = next((h for h, t in wrong.items() if _rel(unit(t), y) < 1e-8), None)
+            if hint is None and _rel(unit(new), unit(g / (m ** 2 - mu))) < 1e-8:
+                hint = "the minimiser is y_k = g_k m_k / (m_k² − μ): the numerator has m_k too"
+            if hint is None and _rel(unit(new), unit(g)) < 1e-8:
+                hint = ("h_target must be the minimiser y = g m / (m² − μ) (scaled to RMS(h_down_C)), not g itself: "
+                        "the post-norm multiplies by m afterwards")
+            raise ExerciseError(hint or f"the new post-norm input does not normalise to y = g m / (m² − μ): they differ "
+                                        f"by {err_y:.2e} (relative). Step 3: h_target = RMS(h_down_C) · y, then "
+                                        "ΔW_down = (h_target − h_down_C) h_g_Cᵀ / ‖h_g_C‖²")
+        err = _rel((m + dm) * N(new, eps), g)
+        if err > 1e-8:
+            r = g - m * N(new, eps)
+            hint = None
+            if _rel((m + r) * N(new, eps), g) < 1e-9 or _rel(dm, r) < 1e-9:
+                hint = "you returned the remainder r itself; Δm divides it by N(h_target): Δm = r ⊘ N(h_target)"
+            elif _rel(dm, r / m) < 1e-9:
+                hint = "divide the remainder by N(h_target), not by m: (m + Δm) ⊙ N(h_target) must equal g"
+            elif _rel(dm, -mu / m) < 1e-12:
+                hint = ("Δm = −μ*/m holds when N(h_target) equals y exactly; Gemma's ε inside N moves it by about "
+                        "ε / (2 RMS(h_target)²), which matters for an h_target of small RMS: compute Δm from the "
+                        "remainder, (g − m ⊙ N(h_target)) ⊘ N(h_target)")
+            raise ExerciseError(hint or f"(m + Δm) ⊙ N(h_target) should equal g; they differ by {err:.2e} (relative): "
+                                        "Δm = (g − m ⊙ N(h_target)) ⊘ N(h_target)")
+        c0 = float(h_down_C.pow(2).mean().sqrt())
+        paper_scale &= abs(float(new.pow(2).mean().sqrt()) - c0) <= 1e-8 * c0
+        worst = max(worst, err, err_y)
+    print(f"✓ stable_patch ({_whose(own)}): on {len(cases)} problems ΔW_down is rank 1, the post-norm's new input "
+          f"normalises to Appendix B's minimiser y, and (m + Δm) ⊙ N(h_target) = g, to {worst:.1e}; "
+          + ("h_target has RMS(h_down_C), as in the paper" if paper_scale else
+             "yours gives h_target another scale than the paper's RMS(h_down_C): N ignores it, so the output is the same"))
+    return Checked("stable_patch", fn, own, {"cases": len(cases), "max_error": worst, "paper_scale": paper_scale})

@@ -148,7 +148,8 @@ def headline(rows: list[dict], floor: float | None = None, floor_label: str = ""
 
 def per_token(runs: dict, title: str = "", floors: dict | None = None):
     """Figure 3 style: per generated token, L∞ logit distance and TVD for each labelled run, one marker and line
-    style per run (they overlap in places); a black × marks a step whose top token differs from the baseline's.
+    style per run (they overlap in places); a cross in the run's colour (black edge) marks a step whose top token
+    differs from the baseline's.
     ``floors``: optional {label: value} reference lines on the L∞ panel (e.g. one ulp of the dtype at the logits'
     magnitude, or the unpatched model's distance), drawn dotted in grey and named in the legend."""
     fig, axes = plt.subplots(2, 1, figsize=(8, 5.4), sharex=True)
@@ -164,7 +165,7 @@ def per_token(runs: dict, title: str = "", floors: dict | None = None):
                     mew=1.3, lw=1.3, color=color, label=label, zorder=3 + i)   # smaller markers on top
             bad = [(x, y) for x, y, s in zip(xs, ys, steps) if not s["match"]]
             if bad:
-                ax.plot(*zip(*bad), "x", color="black", ms=10, mew=2.2, zorder=20,
+                ax.plot(*zip(*bad), "X", color=color, mec="black", mew=1.0, ms=11, zorder=20,
                         label="top token differs" if (ax is axes[0] and not any(
                             h.get_label() == "top token differs" for h in axes[0].get_lines())) else None)
     for j, (name, value) in enumerate((floors or {}).items()):

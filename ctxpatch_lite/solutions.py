@@ -58,6 +58,23 @@ def scale_patch(v: torch.Tensor, v_C: torch.Tensor, h: torch.Tensor, m: torch.Te
     return (v_C - v) / torch.where(h == 0, torch.ones_like(h), h)
 
 
+@torch.no_grad()
+def theorem1_block(block, x: torch.Tensor, position: int, target, input_patch=input_patch,
+                   scale_patch=scale_patch) -> torch.Tensor:
+    """Lesson 02 on one layer of the loop (03): the row ``x`` alone through ``block`` at ``position``, patched by
+    Theorem 1 against the full-context ``target`` (its ``z_C`` and ``v_C``): the input patches of W_gate and W_up,
+    the patched MLP on the query's own z, then the scale patch on the h that MLP gives. Returns the output row."""
+    tr = block(x[None], positions=torch.tensor([position]))
+    v, z = tr.v[0], tr.z[0]
+    W_gate = block.W_gate + input_patch(block.W_gate, z, target.z_C)
+    W_up = block.W_up + input_patch(block.W_up, z, target.z_C)
+    h_g = torch.nn.functional.gelu(W_gate @ z, approximate="tanh") * (W_up @ z)
+    y = block.W_down @ h_g
+    h = y / torch.sqrt(y.pow(2).mean() + block.eps)                   # N(W_down h_g)
+    m = 1.0 + block.norms["post_feedforward_layernorm"]
+    return v + (m + scale_patch(v, target.v_C, h, m)) * h
+
+
 def algorithm1(model, ids: list, tools) -> torch.Tensor:
     """Algorithm 1 for the last token of ``ids``: every layer patched from the actual output of the patched layer
     below, on the query alone; returns the next-token logits."""
@@ -87,3 +104,17 @@ def secular_root(g: torch.Tensor, m: torch.Tensor, steps: int = 200) -> float:
             break
         lo, hi = (mid, hi) if float(secular(mid, g, m)) < 0 else (lo, mid)
     return lo
+
+
+def stable_patch(g: torch.Tensor, m: torch.Tensor, mu: float, h_g_C: torch.Tensor, h_down_C: torch.Tensor,
+                 eps: float):
+    """Steps 3 and 4 of Appendix B's stable update (04), given the post-norm's target ``g`` and the root ``mu`` of
+    the secular equation: the unit-RMS minimiser y = g m / (m^2 - mu), h_target = RMS(h_down_C) y, the rank-1
+    dW_down = (h_target - h_down_C) h_g_C^T / ||h_g_C||^2, and the remainder dm = (g - m N(h_target)) / N(h_target)
+    (divided by 1 where N(h_target) is exactly 0). Returns (dW_down, dm)."""
+    y = g * m / (m ** 2 - mu)
+    h_target = h_down_C.pow(2).mean().sqrt() * y
+    dW_down = torch.outer(h_target - h_down_C, h_g_C) / h_g_C.dot(h_g_C)
+    n_t = h_target / torch.sqrt(h_target.pow(2).mean() + eps)
+    dm = (g - m * n_t) / torch.where(n_t == 0, torch.ones_like(n_t), n_t)
+    return dW_down, dm

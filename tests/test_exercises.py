@@ -333,3 +333,105 @@ def test_secular_root_wrong_answers():
             lo, hi = (mid, hi) if float(sol.secular(mid, g, m)) < 0 else (lo, mid)
         return lo
     rejects(ex.check_secular_root, fixed_bracket, "does your bracket reach it")
+
+
+def test_gemma_block_in_bfloat16_still_names_the_exact_gelu(capsys):
+    """bfloat16's tolerance (6e-2) would let the exact GELU through: the check runs the learner's block on a tiny
+    float32 Gemma 3 as well."""
+    from ctxpatch_lite.fixtures import tiny_gemma3
+    bf = tiny_gemma3(seed=1, dtype="bfloat16")
+    gelu = torch.nn.functional.gelu
+    exact = _block(lambda n, v, loc: gelu(loc["z"] @ loc["block"].W_gate.T) * (loc["z"] @ loc["block"].W_up.T)
+                   if n == "h_g" else v)
+    _, out = accepts(ex.check_gemma_block, _block(lambda n, v, loc: v), capsys, model=bf, ids=list(range(3, 15)))
+    assert "tiny float32 Gemma 3" in out
+    rejects(ex.check_gemma_block, exact, "tanh", model=bf, ids=list(range(3, 15)))
+
+
+def test_theorem1_block_accepts_correct_answers_and_names_mistakes(capsys):
+    def by_hand(block, x, position, target):          # the same construction, with the paper's formulas inline
+        tr = block(x[None], positions=torch.tensor([position]))
+        v, z = tr.v[0], tr.z[0]
+        dz = target.z_C - z
+        Wg = block.W_gate + torch.outer(block.W_gate @ dz, z) / z.dot(z)
+        Wu = block.W_up + torch.outer(block.W_up @ dz, z) / z.dot(z)
+        y = block.W_down @ (torch.nn.functional.gelu(Wg @ z, approximate="tanh") * (Wu @ z))
+        h = y / torch.sqrt(y.pow(2).mean() + block.eps)
+        m = 1 + block.norms["post_feedforward_layernorm"]
+        return v + m * h + (target.v_C - v)
+    accepts(ex.check_theorem1_block, sol.theorem1_block, capsys)
+    accepts(ex.check_theorem1_block, by_hand, capsys)
+    c = ex.check_theorem1_block(stub)
+    assert not c.own and "theorem1_block is not written yet" in capsys.readouterr().out
+
+    def variant(**kw):
+        def fn(block, x, position, target):
+            tr = block(x[None], positions=torch.tensor([position]))
+            v, z = tr.v[0], tr.z[0]
+            gelu = torch.nn.functional.gelu
+            a, b = (target.z_C, z) if kw.get("swap") else (z, target.z_C)
+            Wg = block.W_gate + (0 if kw.get("no_input") else sol.input_patch(block.W_gate, a, b))
+            Wu = block.W_up + (0 if kw.get("no_input") else sol.input_patch(block.W_up, a, b))
+            act = (lambda t: gelu(t)) if kw.get("exact") else (lambda t: gelu(t, approximate="tanh"))
+            N = lambda y: y / torch.sqrt(y.pow(2).mean() + block.eps)
+            h = N(block.W_down @ (act(Wg @ z) * (Wu @ z)))
+            h0 = N(block.W_down @ (act(block.W_gate @ z) * (block.W_up @ z)))
+            m = 1 + block.norms["post_feedforward_layernorm"]
+            if kw.get("unpatched"):
+                return tr.out[0]
+            if kw.get("return_v"):
+                return v
+            dm = 0 if kw.get("no_scale") else sol.scale_patch(v, target.v_C, h0 if kw.get("h0") else h, m)
+            return v + (m + dm) * h
+        return fn
+    rejects(ex.check_theorem1_block, variant(unpatched=True), "unpatched block")
+    rejects(ex.check_theorem1_block, variant(no_scale=True), "add the scale patch")
+    rejects(ex.check_theorem1_block, variant(h0=True), "*patched* MLP")
+    rejects(ex.check_theorem1_block, variant(swap=True), "in that order")
+    rejects(ex.check_theorem1_block, variant(return_v=True), "not v")
+    rejects(ex.check_theorem1_block, variant(exact=True), "tanh")
+
+
+def test_scale_patch_names_a_clamped_or_shifted_divisor():
+    rejects(ex.check_scale_patch, lambda v, vc, h, m: (vc - v) / torch.where(h.abs() < 1e-6, 1e-6, h),
+            "tiny but not 0")
+    rejects(ex.check_scale_patch, lambda v, vc, h, m: (vc - v) / torch.where(h == 0, 1.0, h + 1e-12), "epsilon")
+
+
+# -------------------------------------------------------------------------------------------- stable update (04)
+def _stable(**kw):
+    def fn(g, m, mu, h_g_C, h_down_C, eps):
+        y = g * (1 if kw.get("no_m") else m) / (m ** 2 - mu)
+        if kw.get("g_itself"):
+            y = g
+        h_t = (1.0 if kw.get("unscaled") else h_down_C.pow(2).mean().sqrt()) * y
+        denom = h_g_C.norm() if kw.get("norm_not_squared") else h_g_C.dot(h_g_C)
+        dW = torch.outer(h_t - h_down_C, h_g_C) / denom
+        if kw.get("zero"):
+            dW = torch.zeros_like(dW)
+            h_t = h_down_C
+        n_t = h_t / torch.sqrt(h_t.pow(2).mean() + eps)
+        r = g - m * n_t
+        dm = r if kw.get("remainder") else r / m if kw.get("by_m") else r / n_t
+        return dW, dm
+    return fn
+
+
+def test_stable_patch_accepts_correct_answers(capsys):
+    _, out = accepts(ex.check_stable_patch, sol.stable_patch, capsys)
+    assert "as in the paper" in out
+    _, out = accepts(ex.check_stable_patch, _stable(unscaled=True), capsys)     # any scale: N ignores it
+    assert "another scale" in out
+    accepts(ex.check_stable_patch, _stable(), capsys)
+    c = ex.check_stable_patch(stub)
+    assert not c.own and "stable_patch is not written yet" in capsys.readouterr().out
+
+
+def test_stable_patch_wrong_answers():
+    rejects(ex.check_stable_patch, _stable(zero=True), "naive scale patch again")
+    rejects(ex.check_stable_patch, _stable(norm_not_squared=True), "‖h_g_C‖²")
+    rejects(ex.check_stable_patch, _stable(no_m=True), "numerator has m_k")
+    rejects(ex.check_stable_patch, _stable(g_itself=True), "not g itself")
+    rejects(ex.check_stable_patch, _stable(remainder=True), "remainder r itself")
+    rejects(ex.check_stable_patch, _stable(by_m=True), "not by m")
+    rejects(ex.check_stable_patch, lambda g, m, mu, a, b, e: (torch.outer(a, b), g), "shape")
