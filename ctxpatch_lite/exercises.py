@@ -365,6 +365,9 @@ def check_input_patch(fn: Callable | None) -> Checked:
         err = _rel((W + out) @ z, W @ zc)
         if not torch.isfinite(out).all() or err > 1e-9:
             hint = _hint(out, _input_wrong(W, z, zc), 1e-9)
+            if hint is None and err < 1e-5:
+                hint = (f"close but not exact ({err:.1e}, relative): the cases are float64 and the check asks for 1e-9. "
+                        "Is part of it computed in float32?")
             raise ExerciseError(hint or f"(W + ΔW) z should equal W z_C; on a {tuple(W.shape)} case they differ by "
                                         f"{err:.2e} (relative). Ask what ΔW must do to z: ΔW z = W(z_C − z).")
         s = torch.linalg.svdvals(out)
@@ -527,64 +530,81 @@ def make_tools(input_patch: Callable = solutions.input_patch, scale_patch: Calla
         return (v.to(h.dtype) + (m + dm) * h).to(x.dtype)
 
     return SimpleNamespace(blocks=blocks, full_context_targets=full_context_targets, query_embedding=query_embedding,
-                           theorem1_block=theorem1_block or built, logits=logits)
+                           theorem1_block=(lambda *a: theorem1_block(*a)[0]) if theorem1_block else built,
+                           logits=logits)
 
 
-def check_theorem1_block(fn: Callable | None, input_patch: Callable = solutions.input_patch,
-                         scale_patch: Callable = solutions.scale_patch, cases: list | None = None) -> Checked:
-    """03: ``fn(block, x, position, target)`` must return the output row of ``block`` run on the row ``x`` alone,
-    patched by Theorem 1 against ``target`` (``z_C``, ``v_C``): the property is that it equals the full-context
-    output ``target.out_C``. Checked on every layer of a tiny float64 Gemma 3, at the query of two prompts, each layer
-    fed its full-context input (so that its target is exact)."""
+def check_theorem1_block(fn: Callable | None, cases: list | None = None) -> Checked:
+    """03: ``fn(block, x, position, target)`` must return ``(out, (dW_gate, dW_up, dm))``: the output row of
+    ``block`` run on the row ``x`` alone, patched by Theorem 1 against ``target`` (its ``z_C`` and ``v_C`` only), and
+    the patches it used. The check recomputes the layer from the returned patches: each input patch is rank 1 with
+    (W + dW) z = W z_C on the query's own z, the output is v + (m + dm) N(W_down h_g) of the patched MLP, and it
+    equals the full-context output. Checked on every layer of a tiny float64 Gemma 3, at the query of two prompts,
+    each layer fed its full-context input (so that its target is exact)."""
     cases = cases or _algorithm1_cases()
+    gelu = torch.nn.functional.gelu
     model, ids = cases[0]
-    first = (blocks(model)[0], full_context_targets(model, ids)[0].x_C, len(ids) - 1,
-             full_context_targets(model, ids)[0])
+    t0 = full_context_targets(model, ids)[0]
+    first = (blocks(model)[0], t0.x_C, len(ids) - 1, SimpleNamespace(z_C=t0.z_C, v_C=t0.v_C))
     fn, own = _begin("theorem1_block", fn, first)
     worst = 0.0
     for model, ids in cases:
         targets, p = full_context_targets(model, ids), len(ids) - 1
         for l, (block, t) in enumerate(zip(blocks(model), targets)):
-            out = _call(fn, (block, t.x_C, p, t), "theorem1_block")
+            given = SimpleNamespace(z_C=t.z_C, v_C=t.v_C)              # what the query alone may know of the context
+            res = _call(fn, (block, t.x_C, p, given), "theorem1_block")
+            if not (isinstance(res, (tuple, list)) and len(res) == 2 and isinstance(res[1], (tuple, list))
+                    and len(res[1]) == 3):
+                raise ExerciseError("theorem1_block must return (out, (dW_gate, dW_up, dm)): the output row and the "
+                                    "three patches it applied")
+            out, (dWg, dWu, dm) = res
+            with torch.no_grad():
+                tr = block(t.x_C[None], positions=torch.tensor([p]))
+                v, z = tr.v[0], tr.z[0]
+                n = lambda y: y / torch.sqrt(y.pow(2).mean() + block.eps)
+                m = 1.0 + block.norms["post_feedforward_layernorm"]
+                for name, W, dW in (("dW_gate", block.W_gate, dWg), ("dW_up", block.W_up, dWu)):
+                    if not isinstance(dW, torch.Tensor) or dW.shape != W.shape:
+                        raise ExerciseError(f"layer {l}: {name} must have the shape of the matrix it patches, "
+                                            f"{tuple(W.shape)}; got {tuple(getattr(dW, 'shape', ()))}")
+                    if float(dW.abs().max()) == 0.0:
+                        raise ExerciseError(f"layer {l}: {name} is zero. Feeding the MLP z_C directly computes the "
+                                            "same numbers, but the exercise is the weight patch: "
+                                            f"{name} = input_patch(W, z, target.z_C), with z the query's own")
+                    sv = torch.linalg.svdvals(dW.double())
+                    if float(sv[1]) > 1e-9 * float(sv[0]):
+                        raise ExerciseError(f"layer {l}: {name} has rank > 1; Theorem 1's patch is one outer product "
+                                            "(input_patch from lesson 02)")
+                    if _rel((W + dW) @ z, W @ t.z_C) > 1e-10:
+                        raise ExerciseError(f"layer {l}: (W + {name}) z ≠ W z_C for the query's own z (from the block "
+                                            "run on x alone): input_patch(W, z, target.z_C), in that order")
+                if not isinstance(dm, torch.Tensor) or dm.shape != v.shape:
+                    raise ExerciseError(f"layer {l}: dm must be a vector of the row's shape {tuple(v.shape)}")
+                h = n(block.W_down @ (gelu((block.W_gate + dWg) @ z, approximate="tanh") * ((block.W_up + dWu) @ z)))
+                rebuilt = v + (m + dm) * h
             if not isinstance(out, torch.Tensor) or out.shape != t.out_C.shape:
                 raise ExerciseError(f"theorem1_block must return the output row, shape {tuple(t.out_C.shape)}; got "
                                     f"{getattr(out, 'shape', type(out).__name__)}")
+            if _rel(out, rebuilt) > 1e-10:
+                raise ExerciseError(f"layer {l}: the returned row is not v + (m + dm) ⊙ h of the patched layer with the "
+                                    "returned patches (h = N(W_down h_g) of the patched MLP on z, GELU with "
+                                    "approximate='tanh'): return exactly that row")
             err = _rel(out, t.out_C)
             if err > 1e-9:
-                with torch.no_grad():
-                    tr = block(t.x_C[None], positions=torch.tensor([p]))
-                    v, z = tr.v[0], tr.z[0]
-                    gelu = torch.nn.functional.gelu
-                    n = lambda y: y / torch.sqrt(y.pow(2).mean() + block.eps)
-                    m = 1.0 + block.norms["post_feedforward_layernorm"]
-                    Wg = block.W_gate + input_patch(block.W_gate, z, t.z_C)
-                    Wu = block.W_up + input_patch(block.W_up, z, t.z_C)
-                    h = n(block.W_down @ (gelu(Wg @ z, approximate="tanh") * (Wu @ z)))
-                    h0 = n(block.W_down @ (gelu(block.W_gate @ z, approximate="tanh") * (block.W_up @ z)))
-                    hs = n(block.W_down @ (gelu((block.W_gate + input_patch(block.W_gate, t.z_C, z)) @ z,
-                                                approximate="tanh") * ((block.W_up + input_patch(block.W_up, t.z_C, z)) @ z)))
-                    wrong = {
-                        "This is the unpatched block's output on the query alone: patch W_gate and W_up with "
-                        "input_patch(W, z, target.z_C), and the scale with scale_patch.": tr.out[0],
-                        "The MLP is patched, but the output misses what attention added with the context: add the "
-                        "scale patch, v + (m + Δm) ⊙ h with Δm = scale_patch(v, target.v_C, h, m).": v + m * h,
-                        "Δm must divide by the h of the *patched* MLP on z (after the input patches), not by the "
-                        "unpatched MLP's h.": v + (m + scale_patch(v, t.v_C, h0, m)) * h,
-                        "input_patch(W, z, z_C) maps the query's z to z_C: its arguments are (W, z, target.z_C), in "
-                        "that order.": v + (m + scale_patch(v, t.v_C, hs, m)) * hs,
-                        "Return the layer's output v + (m + Δm) ⊙ h, not v.": v,
-                        "GELU with the tanh approximation, as in lesson 01: gelu(..., approximate='tanh').":
-                            v + (m + scale_patch(v, t.v_C, n(block.W_down @ (gelu(Wg @ z) * (Wu @ z))), m))
-                            * n(block.W_down @ (gelu(Wg @ z) * (Wu @ z))),
-                    }
-                hint = _hint(out, wrong, 1e-9)
+                h0 = n(block.W_down @ (gelu(block.W_gate @ z, approximate="tanh") * (block.W_up @ z)))
+                hint = None
+                if float(dm.abs().max()) == 0.0:
+                    hint = ("the MLP is patched, but the output misses what attention added with the context: add the "
+                            "scale patch, Δm = scale_patch(v, target.v_C, h, m)")
+                elif _rel(dm, solutions.scale_patch(v, t.v_C, h0, m)) < 1e-10:
+                    hint = "Δm must divide by the h of the *patched* MLP on z (after the input patches), not the unpatched h"
                 raise ExerciseError(f"layer {l}: the patched output differs from the full-context output by "
-                                    f"{err:.2e} (relative). " + (hint or "Follow lesson 02: input patches, the "
-                                    "patched MLP on z, h = N(W_down h_g), then the scale patch on that h."))
+                                    f"{err:.2e} (relative). " + (hint or "Build Δm = scale_patch(v, target.v_C, h, m) "
+                                    "on h = N(W_down h_g) of the patched MLP on z, with m = 1 + the stored weight."))
             worst = max(worst, err)
     print(f"✓ theorem1_block ({_whose(own)}): on every layer of a {len(blocks(model))}-layer Gemma 3 (float64), at the "
-          f"query of {len(cases)} prompts, the patched layer run on the query alone gives the full-context output to "
-          f"{worst:.1e} (relative)")
+          f"query of {len(cases)} prompts: rank-1 input patches with (W + ΔW) z = W z_C, and the patched layer run on "
+          f"the query alone gives the full-context output to {worst:.1e} (relative)")
     return Checked("theorem1_block", fn, own, {"cases": len(cases), "layers": len(blocks(model)),
                                                "max_rel_error": worst})
 
@@ -756,8 +776,9 @@ def check_secular_root(fn: Callable | None) -> Checked:
 
 # ------------------------------------------------------------------------------------- 04: the stable update, steps 3-4
 def _stable_cases() -> list:
-    """Random float64 problems of a post-norm of width 24 after an MLP of width 40, with h_down_C of RMS about 30 (so
-    that Gemma's eps inside N is negligible) and m away from 0."""
+    """Random float64 problems of a post-norm of width 24 after an MLP of width 40, m away from 0: three with h_down_C
+    of RMS about 30 (Gemma's eps inside N negligible), one as on a real layer (RMS about 0.1, some m_k in the
+    hundreds), where the eps matters and dm = -mu*/m is not exact."""
     out = []
     for seed in range(3):
         gen = _gen(400 + seed)
@@ -770,6 +791,14 @@ def _stable_cases() -> list:
         dv = torch.randn(n, generator=gen, dtype=torch.float64)
         g = dv + m * h_down_C / torch.sqrt(h_down_C.pow(2).mean() + 1e-6)
         out.append((g, m, solutions.secular_root(g, m), h_g_C, h_down_C, 1e-6))
+    gen = _gen(410)                 # as on layer 6 of the embedded model: RMS(h_down_C) about 0.1, some m_k in the hundreds
+    n, k = 24, 40
+    m = 0.3 + torch.rand(n, generator=gen, dtype=torch.float64)
+    m[:3] = 300.0 * (1 + torch.rand(3, generator=gen, dtype=torch.float64))
+    h_g_C = torch.randn(k, generator=gen, dtype=torch.float64)
+    h_down_C = (0.02 * torch.randn(n, k, generator=gen, dtype=torch.float64)) @ h_g_C
+    g = torch.randn(n, generator=gen, dtype=torch.float64) + m * h_down_C / torch.sqrt(h_down_C.pow(2).mean() + 1e-6)
+    out.append((g, m, solutions.secular_root(g, m), h_g_C, h_down_C, 1e-6))
     return out
 
 

@@ -297,6 +297,8 @@ def update_norms(rows: list[dict], title: str = "Update norms per variant (media
     ax.bar(x + 0.2, _positive([r["dm_norm"] for r in rows]), 0.4, label="vector patch Δm (L2)")
     ax.set_xticks(x, [r["label"] for r in rows], rotation=20, fontsize=8)
     ax.set_yscale("log")
+    values = [v for r in rows for v in _positive([r["matrix_norm"], r["dm_norm"]])]
+    ax.set_ylim(min(values) / 10, max(values) * 3)         # the bars start a decade below the smallest: none is a sliver
     ax.set_ylabel("norm")
     ax.set_title(title)
     ax.legend(fontsize=8)

@@ -63,7 +63,8 @@ def theorem1_block(block, x: torch.Tensor, position: int, target, input_patch=in
                    scale_patch=scale_patch) -> torch.Tensor:
     """Lesson 02 on one layer of the loop (03): the row ``x`` alone through ``block`` at ``position``, patched by
     Theorem 1 against the full-context ``target`` (its ``z_C`` and ``v_C``): the input patches of W_gate and W_up,
-    the patched MLP on the query's own z, then the scale patch on the h that MLP gives. Returns the output row."""
+    the patched MLP on the query's own z, then the scale patch on the h that MLP gives. Returns the output row and
+    the three patches ``(dW_gate, dW_up, dm)``."""
     tr = block(x[None], positions=torch.tensor([position]))
     v, z = tr.v[0], tr.z[0]
     W_gate = block.W_gate + input_patch(block.W_gate, z, target.z_C)
@@ -72,7 +73,8 @@ def theorem1_block(block, x: torch.Tensor, position: int, target, input_patch=in
     y = block.W_down @ h_g
     h = y / torch.sqrt(y.pow(2).mean() + block.eps)                   # N(W_down h_g)
     m = 1.0 + block.norms["post_feedforward_layernorm"]
-    return v + (m + scale_patch(v, target.v_C, h, m)) * h
+    dm = scale_patch(v, target.v_C, h, m)
+    return v + (m + dm) * h, (W_gate - block.W_gate, W_up - block.W_up, dm)
 
 
 def algorithm1(model, ids: list, tools) -> torch.Tensor:

@@ -349,47 +349,50 @@ def test_gemma_block_in_bfloat16_still_names_the_exact_gelu(capsys):
 
 
 def test_theorem1_block_accepts_correct_answers_and_names_mistakes(capsys):
-    def by_hand(block, x, position, target):          # the same construction, with the paper's formulas inline
+    def by_hand(block, x, position, target):          # the paper's formulas inline, and the dm written out
         tr = block(x[None], positions=torch.tensor([position]))
         v, z = tr.v[0], tr.z[0]
         dz = target.z_C - z
-        Wg = block.W_gate + torch.outer(block.W_gate @ dz, z) / z.dot(z)
-        Wu = block.W_up + torch.outer(block.W_up @ dz, z) / z.dot(z)
-        y = block.W_down @ (torch.nn.functional.gelu(Wg @ z, approximate="tanh") * (Wu @ z))
+        dWg, dWu = torch.outer(block.W_gate @ dz, z) / z.dot(z), torch.outer(block.W_up @ dz, z) / z.dot(z)
+        y = block.W_down @ (torch.nn.functional.gelu((block.W_gate + dWg) @ z, approximate="tanh") * ((block.W_up + dWu) @ z))
         h = y / torch.sqrt(y.pow(2).mean() + block.eps)
         m = 1 + block.norms["post_feedforward_layernorm"]
-        return v + m * h + (target.v_C - v)
+        dm = (target.v_C - v) / torch.where(h == 0, 1.0, h)
+        return v + (m + dm) * h, (dWg, dWu, dm)
     accepts(ex.check_theorem1_block, sol.theorem1_block, capsys)
     accepts(ex.check_theorem1_block, by_hand, capsys)
     c = ex.check_theorem1_block(stub)
     assert not c.own and "theorem1_block is not written yet" in capsys.readouterr().out
 
+    gelu = torch.nn.functional.gelu
+
     def variant(**kw):
         def fn(block, x, position, target):
             tr = block(x[None], positions=torch.tensor([position]))
             v, z = tr.v[0], tr.z[0]
-            gelu = torch.nn.functional.gelu
             a, b = (target.z_C, z) if kw.get("swap") else (z, target.z_C)
-            Wg = block.W_gate + (0 if kw.get("no_input") else sol.input_patch(block.W_gate, a, b))
-            Wu = block.W_up + (0 if kw.get("no_input") else sol.input_patch(block.W_up, a, b))
-            act = (lambda t: gelu(t)) if kw.get("exact") else (lambda t: gelu(t, approximate="tanh"))
+            dWg, dWu = sol.input_patch(block.W_gate, a, b), sol.input_patch(block.W_up, a, b)
+            if kw.get("z_C_directly"):                 # the same numbers, but no weight patch
+                dWg, dWu, z = torch.zeros_like(dWg), torch.zeros_like(dWu), target.z_C
+            act = gelu if kw.get("exact") else (lambda t: gelu(t, approximate="tanh"))
             N = lambda y: y / torch.sqrt(y.pow(2).mean() + block.eps)
-            h = N(block.W_down @ (act(Wg @ z) * (Wu @ z)))
-            h0 = N(block.W_down @ (act(block.W_gate @ z) * (block.W_up @ z)))
+            h = N(block.W_down @ (act((block.W_gate + dWg) @ z) * ((block.W_up + dWu) @ z)))
+            h0 = N(block.W_down @ (act(block.W_gate @ tr.z[0]) * (block.W_up @ tr.z[0])))
             m = 1 + block.norms["post_feedforward_layernorm"]
-            if kw.get("unpatched"):
-                return tr.out[0]
-            if kw.get("return_v"):
-                return v
-            dm = 0 if kw.get("no_scale") else sol.scale_patch(v, target.v_C, h0 if kw.get("h0") else h, m)
-            return v + (m + dm) * h
+            dm = torch.zeros_like(v) if kw.get("no_scale") else sol.scale_patch(v, target.v_C, h0 if kw.get("h0") else h, m)
+            out = v + (m + dm) * h
+            if kw.get("bias_after_norm"):
+                out, dm = v + m * h + (target.v_C - v), torch.zeros_like(v)
+            return out, (dWg, dWu, dm)
         return fn
-    rejects(ex.check_theorem1_block, variant(unpatched=True), "unpatched block")
+    rejects(ex.check_theorem1_block, lambda b, x, p, t: b(x[None], positions=torch.tensor([p])).out[0],
+            "(out, (dW_gate, dW_up, dm))")
+    rejects(ex.check_theorem1_block, variant(z_C_directly=True), "the exercise is the weight patch")
     rejects(ex.check_theorem1_block, variant(no_scale=True), "add the scale patch")
+    rejects(ex.check_theorem1_block, variant(bias_after_norm=True), "not v + (m + dm)")
     rejects(ex.check_theorem1_block, variant(h0=True), "*patched* MLP")
     rejects(ex.check_theorem1_block, variant(swap=True), "in that order")
-    rejects(ex.check_theorem1_block, variant(return_v=True), "not v")
-    rejects(ex.check_theorem1_block, variant(exact=True), "tanh")
+    rejects(ex.check_theorem1_block, variant(exact=True), "approximate='tanh'")
 
 
 def test_scale_patch_names_a_clamped_or_shifted_divisor():
@@ -435,3 +438,8 @@ def test_stable_patch_wrong_answers():
     rejects(ex.check_stable_patch, _stable(remainder=True), "remainder r itself")
     rejects(ex.check_stable_patch, _stable(by_m=True), "not by m")
     rejects(ex.check_stable_patch, lambda g, m, mu, a, b, e: (torch.outer(a, b), g), "shape")
+
+    def closed_form(g, m, mu, h_g_C, h_down_C, eps):  # dm = -mu*/m: exact only with eps = 0
+        dW, _ = sol.stable_patch(g, m, mu, h_g_C, h_down_C, eps)
+        return dW, -mu / m
+    rejects(ex.check_stable_patch, closed_form, "ε inside N")

@@ -77,18 +77,17 @@ def test_installed_package_is_the_wheel_and_has_its_prompts(installed):
 
 @pytest.mark.real
 def test_installed_wheel_runs_notebook_03_and_the_compare_script(installed):
-    """Notebook 03 copied to an empty folder runs under papermill with its default prompt (3 tokens, no
-    four-way comparison, no widgets); ``ctxpatch-compare`` runs a paper prompt."""
+    """Notebook 03 copied to an empty folder runs under papermill with its default prompt (3 tokens, no widgets); ``ctxpatch-compare`` runs a paper prompt."""
     target, work, env = installed
     shutil.copy(ROOT / "notebooks" / "03_algorithm1.ipynb", work / "03.ipynb")
     r = subprocess.run([sys.executable, "-m", "papermill", "03.ipynb", "03-out.ipynb", "-p", "tokens", "3",
-                        "-p", "compare_precisions", "False", "-p", "interactive", "False", "--kernel", "python3"],
+                        "-p", "interactive", "False", "--kernel", "python3"],
                        capture_output=True, text=True, cwd=work, env=env, timeout=1200)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads((work / "03-out.ipynb").read_text())
     text = "".join("".join(o.get("text", "")) for c in out["cells"] if c["cell_type"] == "code"
                    for o in c.get("outputs", []))
-    assert "Mars" in text and "3/3" in text and "error" not in [o.get("output_type") for c in out["cells"]
+    assert "prompt mars" in text and "token match 3/3" in text and "error" not in [o.get("output_type") for c in out["cells"]
                                                                  for o in c.get("outputs", [])]
     script = target / "bin" / "ctxpatch-compare"
     r = subprocess.run([str(script), "--paper-prompt", "mars", "--tokens", "2", "--quiet", "--json", "c.json"],

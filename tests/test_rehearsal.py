@@ -60,7 +60,7 @@ def test_notebooks_03_and_05_on_the_1b_shaped_model(folder, tmp_path):
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     summary = json.loads(next(tmp_path.glob("*/summary.json")).read_text())
     assert summary["03_algorithm1"]["status"] == summary["05_ablations"]["status"] == "ok"
-    assert summary["03_algorithm1"]["metrics"]["compare"]["float32-naive"]["n_match"] == 2
+    assert summary["03_algorithm1"]["metrics"]["engine"]["n_match"] == 2
     report = {k: v["seconds"] for k, v in summary.items()}
     report.update(wall_seconds=round(time.time() - t0, 1), peak_rss_gb=_peak_children_gb())
     ARTIFACTS.mkdir(exist_ok=True)
