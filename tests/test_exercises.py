@@ -443,3 +443,16 @@ def test_stable_patch_wrong_answers():
         dW, _ = sol.stable_patch(g, m, mu, h_g_C, h_down_C, eps)
         return dW, -mu / m
     rejects(ex.check_stable_patch, closed_form, "ε inside N")
+
+
+def test_secular_root_accepts_a_root_to_1e9_and_asks_for_a_tighter_stop_near_it(capsys):
+    def bisect(width):
+        def root(g, m):
+            lo, hi = float((m ** 2).min()) - float(((g * m) ** 2).mean().sqrt()) - 1.0, float((m ** 2).min())
+            while hi - lo > width:
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if float(sol.secular(mid, g, m)) < 0 else (lo, mid)
+            return lo
+        return root
+    accepts(ex.check_secular_root, bisect(1e-12), capsys)
+    rejects(ex.check_secular_root, bisect(1e-7), "tighten your stopping rule")
