@@ -211,6 +211,14 @@ def test_algorithm1_accepts_correct_answers(capsys):
     accepts(ex.check_algorithm1, while_loop, capsys)
     _, out = accepts(ex.check_algorithm1, position_zero, capsys)
     assert "changes nothing" in out
+
+    def own_layer_function(model, ids, tools):      # the learner's own theorem1_block, not the tool: still right
+        targets, x = tools.full_context_targets(model, ids), tools.query_embedding(model, ids)
+        for l, b in enumerate(tools.blocks(model)):
+            x = sol.theorem1_block(b, x, len(ids) - 1, targets[l])[0]
+        return tools.logits(model, x)
+    _, out = accepts(ex.check_algorithm1, own_layer_function, capsys)
+    assert "called its patched layer directly" in out
     c = ex.check_algorithm1(stub)
     assert not c.own and "algorithm1 is not written yet" in capsys.readouterr().out
 
@@ -415,7 +423,8 @@ def _stable(**kw):
             h_t = h_down_C
         n_t = h_t / torch.sqrt(h_t.pow(2).mean() + eps)
         r = g - m * n_t
-        dm = r if kw.get("remainder") else r / m if kw.get("by_m") else r / n_t
+        n_safe = n_t if kw.get("unguarded") else torch.where(n_t == 0, torch.ones_like(n_t), n_t)
+        dm = r if kw.get("remainder") else r / m if kw.get("by_m") else r / n_safe
         return dW, dm
     return fn
 
@@ -437,6 +446,7 @@ def test_stable_patch_wrong_answers():
     rejects(ex.check_stable_patch, _stable(g_itself=True), "not g itself")
     rejects(ex.check_stable_patch, _stable(remainder=True), "remainder r itself")
     rejects(ex.check_stable_patch, _stable(by_m=True), "not by m")
+    rejects(ex.check_stable_patch, _stable(unguarded=True), "divide by 1")
     rejects(ex.check_stable_patch, lambda g, m, mu, a, b, e: (torch.outer(a, b), g), "shape")
 
     def closed_form(g, m, mu, h_g_C, h_down_C, eps):  # dm = -mu*/m: exact only with eps = 0
