@@ -159,10 +159,11 @@ def store(summary: dict, nb_dir: Path, out_dir: Path) -> list[str]:
     (nb_dir / EXPECTED).write_text(json.dumps(expected, indent=1, sort_keys=False) + "\n")
     times = json.loads((nb_dir / TIMES).read_text()) if (nb_dir / TIMES).is_file() else {"seconds": {}}
     times["seconds"].update({stem: s["seconds"] for stem, s in summary.items()})
+    times.setdefault("runs", {}).update({stem: f"{out_dir.name}/summary.json" for stem in summary})   # which run timed it
     times["measured"] = (f"make run (ctxpatch_lite.run_notebooks, default parameters, {os.environ.get('CTXPATCH_THREADS', 'default')} "
-                         f"torch thread(s) per kernel, {os.cpu_count()} CPU cores), {stamp}: seconds per notebook from "
-                         f"{out_dir.name}/summary.json; {sum(times['seconds'].values()):.0f} s for all "
-                         f"{len(times['seconds'])}")
+                         f"torch thread(s) per kernel, {os.cpu_count()} CPU cores): seconds per notebook, each from the "
+                         f"run named in 'runs' (the last run that stored it, {stamp}); "
+                         f"{sum(times['seconds'].values()):.0f} s for all {len(times['seconds'])}")
     (nb_dir / TIMES).write_text(json.dumps(times, indent=1) + "\n")
     write_times(nb_dir, times["seconds"])
     return []

@@ -170,7 +170,8 @@ def test_times_are_measured_not_copied():
     """times.json holds one run's seconds for every notebook, written by the runner (make run ARGS=--store)."""
     times = json.loads((ROOT / "notebooks" / "times.json").read_text())
     assert set(times["seconds"]) == {p.stem for p in NOTEBOOKS}
-    assert "summary.json" in times["measured"] and "make run" in times["measured"]
+    assert "make run" in times["measured"]
+    assert set(times["runs"]) == set(times["seconds"]) and all(r.endswith("/summary.json") for r in times["runs"].values())
 
 
 def _output_text(nb) -> str:
