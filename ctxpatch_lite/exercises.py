@@ -879,7 +879,7 @@ def check_stable_patch(fn: Callable | None) -> Checked:
             raise ExerciseError(hint or f"the new post-norm input does not normalise to y = g m / (m² − μ): they differ "
                                         f"by {err_y:.2e} (relative). Step 3: h_target = RMS(h_down_C) · y, then "
                                         "ΔW_down = (h_target − h_down_C) h_g_Cᵀ / ‖h_g_C‖²")
-        live = N(new, eps) != 0                                  # where a scale can act at all
+        live = y != 0           # where the construction can act: at y_k = 0 (m_k = 0) no scale reaches g_k, in exact arithmetic
         err = _rel(((m + dm) * N(new, eps))[live], g[live])
         if err > 1e-8:
             r = g - m * N(new, eps)

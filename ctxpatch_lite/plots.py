@@ -242,7 +242,7 @@ def h_histogram(abs_h, n_zero: int, title: str = ""):
     ax.set_yscale("log")                      # the point is the tail of tiny |h_i|: a few values among millions
     ax.set_xlabel("log10 |h_i|   (h = N(W_down h_g), what Δm divides by)")
     ax.set_ylabel("count (log scale)")
-    ax.set_title(title or f"{vals.size:,} values; exact zeros (divide-by-1 fallbacks): {n_zero}; "
+    ax.set_title(title or f"{vals.size:,} values; exact zeros: {n_zero}; "
                           f"min |h| = {pos.min():.2e}")
     fig.tight_layout()
     return fig
