@@ -647,7 +647,7 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
         fn, own = _begin("algorithm1", None, ())
     else:
         own = True
-    moved, block_worst, logit_worst, direct = False, 0.0, 0.0, False
+    moved, block_worst, logit_worst = False, 0.0, 0.0
     for model, ids in cases:
         calls = []
         out = _call(fn, (model, list(ids), _spy_tools(calls, tools)), "algorithm1")
@@ -655,11 +655,10 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
         targets = full_context_targets(model, ids)
         want = logits(model, targets[-1].out_C)      # the same from-scratch model, with the whole context
         if not calls:
-            if isinstance(out, torch.Tensor) and out.shape == want.shape and _rel(out, want) <= 1e-10:
-                direct = True                 # right logits, through the learner's own per-layer function
-                continue
-            raise ExerciseError("tools.theorem1_block was never called: patch every layer with it "
-                                "(x = tools.theorem1_block(block, x, position, targets[layer]))")
+            raise ExerciseError("tools.theorem1_block was never called: patch every layer through it "
+                                "(x = tools.theorem1_block(block, x, position, targets[layer])), so that the check can "
+                                "see what each layer is fed (calling your theorem1_block directly hides the oracle "
+                                "mistake this exercise is about)")
         if len(calls) != L:
             raise ExerciseError(f"{len(calls)} patched layers, but the model has {L}: Algorithm 1 patches every layer, "
                                 "in order (for layer, block in enumerate(tools.blocks(model)))")
@@ -704,9 +703,6 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
           f"from the actual output of the patched layer below; each block's output within {block_worst:.1e} of its "
           f"full-context output and the logits within {logit_worst:.1e} of the full-context logits (relative, the "
           f"largest over the prompts)")
-    if direct:
-        print("  note: your loop called its patched layer directly, not through tools.theorem1_block: the logits are "
-              "right, but the check could not watch what each layer was fed (the oracle check did not run)")
     if moved:
         print("  note: you ran the query at another position than its own, len(ids) - 1. For one token alone that "
               "changes nothing: its attention has a single key, whose softmax weight is 1 whatever RoPE does to q and "
