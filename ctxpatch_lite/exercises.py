@@ -764,7 +764,7 @@ def check_secular_root(fn: Callable | None) -> Checked:
         if math.isfinite(err) and err > 1e-9 and abs(mu - want) <= 1e-6 * max(1.0, abs(want)):
             raise ExerciseError(f"μ = {mu:.12g} is within {abs(mu - want):.1e} of the root, but not to 1e-9 (relative): "
                                 "tighten your stopping rule (bisect until the bracket is narrower than about 1e-12, "
-                                "or a fixed 200 halvings)")
+                                "or a fixed 200 halvings), and keep every step in float64")
         if not math.isfinite(err) or err > 1e-9:
             n = g.numel()
             tries = {

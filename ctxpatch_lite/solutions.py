@@ -10,8 +10,12 @@ lesson                   the function you write                             the 
                          out)``
 02 Theorem 1             ``input_patch(W, z, z_C) -> dW``                   ``exercises.check_input_patch``
 02                       ``scale_patch(v, v_C, h, m) -> dm``                ``exercises.check_scale_patch``
-03 Algorithm 1           ``algorithm1(model, ids, tools) -> logits``        ``exercises.check_algorithm1``
+03 Algorithm 1           ``theorem1_block(block, x, position, target)``     ``exercises.check_theorem1_block``
+                         ``-> (out, (dW_gate, dW_up, dm))``
+03                       ``algorithm1(model, ids, tools) -> logits``        ``exercises.check_algorithm1``
 04 Appendix B            ``secular_root(g, m) -> mu``                       ``exercises.check_secular_root``
+04                       ``stable_patch(g, m, mu, h_g_C, h_down_C, eps)``   ``exercises.check_stable_patch``
+                         ``-> (dW_down, dm)``
 =======================  =================================================  ===========================
 """
 from __future__ import annotations
