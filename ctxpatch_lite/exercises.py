@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from . import solutions
+from .hooks import unit_rms
 
 
 class ExerciseError(AssertionError):
@@ -562,7 +563,7 @@ def check_theorem1_block(fn: Callable | None, cases: list | None = None) -> Chec
             with torch.no_grad():
                 tr = block(t.x_C[None], positions=torch.tensor([p]))
                 v, z = tr.v[0], tr.z[0]
-                n = lambda y: y / torch.sqrt(y.pow(2).mean() + block.eps)
+                n = lambda y: unit_rms(y, block.eps)                  # N, as every RMSNorm of the engine computes it
                 m = 1.0 + block.norms["post_feedforward_layernorm"]
                 for name, W, dW in (("dW_gate", block.W_gate, dWg), ("dW_up", block.W_up, dWu)):
                     if not isinstance(dW, torch.Tensor) or dW.shape != W.shape:
@@ -833,7 +834,7 @@ def check_stable_patch(fn: Callable | None) -> Checked:
     cases = _stable_cases()
     fn, own = _begin("stable_patch", fn, cases[0])
     worst, paper_scale = 0.0, True
-    N = lambda t, eps: t / torch.sqrt(t.pow(2).mean() + eps)
+    N = unit_rms
     for g, m, mu, h_g_C, h_down_C, eps in cases:
         out = _call(fn, (g, m, mu, h_g_C, h_down_C, eps), "stable_patch")
         if not (isinstance(out, (tuple, list)) and len(out) == 2):

@@ -37,14 +37,13 @@ def _free_port() -> int:
 
 
 def _small_copy(workdir: Path) -> Path:
-    """Notebook 03 with smaller parameters (6 tokens, no four-way comparison) so the test stays short."""
+    """Notebook 03 with smaller parameters (6 tokens) so the test stays short."""
     import nbformat
     nb = nbformat.read(ROOT / "notebooks" / "03_algorithm1.ipynb", as_version=4)
     for cell in nb.cells:
         if "parameters" in cell.metadata.get("tags", []):
             src = cell.source
             src = re.sub(r"(?m)^tokens = \d+", "tokens = 6", src)
-            src = re.sub(r"(?m)^compare_precisions = True", "compare_precisions = False", src)
             src = re.sub(r"(?m)^interactive = \w+", "interactive = True", src)
             cell.source = src
         cell.outputs = [] if cell.cell_type == "code" else None
