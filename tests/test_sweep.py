@@ -101,13 +101,13 @@ def test_changes_match_by_parameters_and_see_nan_missing_and_new():
     nb = str(ROOT / "notebooks" / "03_algorithm1.ipynb")   # its rules in expected_metrics.json judge the metrics
     base = {"compare": [_row("a", "k1"), _row("b", "k2"), _row("c", "k3"), _row("d", "k4")],
             "notebook": [{"id": "n-k9", "key": "k9", "name": "n", "status": "ok", "notebook": nb,
-                          "metrics": {"median_tvd": {"float32": 1.0}, "tokens": 2}}]}
+                          "metrics": {"median_tvd": {"first": 1.0}, "tokens": 2}}]}
     now = {"compare": [_row("a-renamed", "k1"),                                   # same parameters, new name
                        _row("b", "k2", nonfinite=2, linf=nan),                     # the steps became NaN
                        _row("c", "k3", status="incomplete", error="status ok but result.json is missing"),
                        _row("e", "k5")],                                           # new; d is gone
            "notebook": [{"id": "n-k9", "key": "k9", "name": "n", "status": "ok", "notebook": nb,
-                         "metrics": {"median_tvd": {"float32": nan}, "tokens": 2}}]}
+                         "metrics": {"median_tvd": {"first": nan}, "tokens": 2}}]}
     found = {c["name"]: c for c in changes(now, base)}
     assert "a-renamed" not in found and "a" not in found
     assert found["b"]["regression"] and "2 steps with a non-finite" in found["b"]["what"]
@@ -115,7 +115,7 @@ def test_changes_match_by_parameters_and_see_nan_missing_and_new():
     assert found["c"]["regression"] and found["c"]["what"].startswith("status ok -> incomplete")
     assert found["d"]["regression"] and found["d"]["what"] == "in the baseline, not in this sweep"
     assert not found["e"]["regression"] and found["e"]["what"] == "new in this sweep"
-    assert found["n"]["regression"] and "median_tvd.float32 = nan, baseline 1.0" in found["n"]["what"]
+    assert found["n"]["regression"] and "median_tvd.first = nan, baseline 1.0" in found["n"]["what"]
     assert [c["regression"] for c in changes(now, base)] == sorted([c["regression"] for c in changes(now, base)],
                                                                    reverse=True)   # regressions first
 
