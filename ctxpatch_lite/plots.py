@@ -149,7 +149,7 @@ def headline(rows: list[dict], floor: float | None = None, floor_label: str = ""
 def per_token(runs: dict, title: str = "", floors: dict | None = None):
     """Figure 3 style: per generated token, L∞ logit distance and TVD for each labelled run, one marker and line
     style per run (they overlap in places); a cross in the run's colour (black edge) marks a step whose top token
-    differs from the baseline's.
+    differs from the baseline's, with one neutral legend entry for all crosses.
     ``floors``: optional {label: value} reference lines on the L∞ panel (e.g. one ulp of the dtype at the logits'
     magnitude, or the unpatched model's distance), drawn dotted in grey and named in the legend."""
     fig, axes = plt.subplots(2, 1, figsize=(8, 5.4), sharex=True)
@@ -165,9 +165,10 @@ def per_token(runs: dict, title: str = "", floors: dict | None = None):
                     mew=1.3, lw=1.3, color=color, label=label, zorder=3 + i)   # smaller markers on top
             bad = [(x, y) for x, y, s in zip(xs, ys, steps) if not s["match"]]
             if bad:
-                ax.plot(*zip(*bad), "X", color=color, mec="black", mew=1.0, ms=11, zorder=20,
-                        label="top token differs" if (ax is axes[0] and not any(
-                            h.get_label() == "top token differs" for h in axes[0].get_lines())) else None)
+                ax.plot(*zip(*bad), "X", color=color, mec="black", mew=1.0, ms=11, zorder=20)
+    if any(not s["match"] for run in runs.values() for s in run["steps"]):   # one legend entry for every cross
+        axes[0].plot([], [], "X", color="white", mec="black", mew=1.0, ms=11,
+                     label="top token differs (cross in the run's colour)")
     for j, (name, value) in enumerate((floors or {}).items()):
         axes[0].axhline(value, color=("0.35", "0.55", "0.2")[j % 3], ls=(":", (0, (6, 3)), (0, (1, 1)))[j % 3], lw=1.3,
                         label=name)
@@ -240,7 +241,7 @@ def h_histogram(abs_h, n_zero: int, title: str = ""):
     pos = vals[vals > 0]
     ax.hist(np.log10(pos), bins=80, color="#4c72b0")
     ax.set_yscale("log")                      # the point is the tail of tiny |h_i|: a few values among millions
-    ax.set_xlabel("log10 |h_i|   (h = N(W_down h_g), what Δm divides by)")
+    ax.set_xlabel("log10 |h_i|   (h = N(W_down h_g), the kind of vector Δm divides by)")
     ax.set_ylabel("count (log scale)")
     ax.set_title(title or f"{vals.size:,} values; exact zeros: {n_zero}; "
                           f"min |h| = {pos.min():.2e}")
