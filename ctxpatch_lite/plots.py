@@ -294,8 +294,9 @@ def update_norms(rows: list[dict], title: str = "Update norms per variant (media
     """Bar chart: matrix-patch norm vs vector (Δm) norm per configuration, log scale."""
     fig, ax = plt.subplots(figsize=(8, 3.6))
     x = np.arange(len(rows))
-    ax.bar(x - 0.2, _positive([r["matrix_norm"] for r in rows]), 0.4, label="matrix patches (Frobenius)")
-    ax.bar(x + 0.2, _positive([r["dm_norm"] for r in rows]), 0.4, label="vector patch Δm (L2)")
+    # grey and purple: blue and orange mean naive and stable in the other figures
+    ax.bar(x - 0.2, _positive([r["matrix_norm"] for r in rows]), 0.4, color="0.55", label="matrix patches (Frobenius)")
+    ax.bar(x + 0.2, _positive([r["dm_norm"] for r in rows]), 0.4, color="#7b3294", label="vector patch Δm (L2)")
     ax.set_xticks(x, [r["label"] for r in rows], rotation=20, fontsize=8)
     ax.set_yscale("log")
     values = [v for r in rows for v in _positive([r["matrix_norm"], r["dm_norm"]])]
