@@ -295,6 +295,15 @@ def check_gemma_block(fn: Callable | None, model, ids: list, rms_norm: Callable 
                                         f"the check allows {tol:g}). " + (hint or "Compare with the equations "
                                         "above, one line per quantity."))
                 worst[key] = max(worst[key], err)
+        if own:   # the prompt's own positions start at 0, so a function that ignores `positions` passed the above
+            block, x = blocks[0], values[0]["x"]
+            spread = torch.arange(x.shape[0], device=x.device) * 3
+            got = _call(fn, (block, x, spread), "gemma_block")[0]
+            want = solutions.gemma_block(block, x, spread)[0]
+            if _rel(got, want) > tol:
+                raise ExerciseError(f"at positions 0, 3, 6, … your v differs from the one these positions give by "
+                                    f"{_rel(got, want):.1e} (relative): pass `positions` on to "
+                                    f"`block.attention(a, positions)`; a row's position sets its rotary embedding")
     if dtype != torch.float32 and own:
         # bfloat16 rounding (tolerance 6e-2) can hide a real mistake such as the exact GELU: the same function must
         # also pass on a tiny float32 Gemma 3 at float32's tolerance

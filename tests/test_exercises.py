@@ -98,7 +98,8 @@ def _block(fix):
 def test_gemma_block_accepts_correct_answers(tiny, capsys):
     def linear(block, x, positions=None):
         F, n, eps = torch.nn.functional, block.norms, block.eps
-        v = x + sol.rms_norm(block.attention(sol.rms_norm(x, n["input_layernorm"], eps)), n["post_attention_layernorm"], eps)
+        a = sol.rms_norm(x, n["input_layernorm"], eps)
+        v = x + sol.rms_norm(block.attention(a, positions), n["post_attention_layernorm"], eps)
         z = sol.rms_norm(v, n["pre_feedforward_layernorm"], eps)
         h_g = F.gelu(F.linear(z, block.W_gate), approximate="tanh") * F.linear(z, block.W_up)
         return v, z, h_g, v + sol.rms_norm(F.linear(h_g, block.W_down), n["post_feedforward_layernorm"], eps)
@@ -134,6 +135,7 @@ def test_gemma_block_wrong_answers(tiny):
                                                                       l["h_g"] @ l["block"].W_down.T)),
             "post_feedforward_layernorm", **kw)
     rejects(ex.check_gemma_block, lambda b, x, p=None: sol.gemma_block(b, x, p)[:3], "(v, z, h_g, out)", **kw)
+    rejects(ex.check_gemma_block, lambda b, x, p=None: sol.gemma_block(b, x, None), "pass `positions` on", **kw)
 
 
 # -------------------------------------------------------------------------------------------- input patch (02)
