@@ -195,8 +195,9 @@ def check_rms_norm(fn: Callable | None) -> Checked:
             raise ExerciseError(hint or f"on a {x.dtype} case rms_norm differs from Gemma3RMSNorm by {_rel(out, want):.2e}"
                                         f" (relative): y = x / sqrt(mean(x², last axis) + eps) * (1 + w), in float32")
         worst = max(worst, _rel(out, want))
-    print(f"✓ rms_norm ({_whose(own)}) equals transformers' Gemma3RMSNorm on {len(cases)} cases (float32, a small x "
-          f"where eps matters, bfloat16 bit for bit, float64); largest relative difference {worst:.1e}")
+    print(f"✓ rms_norm ({_whose(own)}) equals Gemma's RMSNorm on {len(cases)} cases (transformers' Gemma3RMSNorm in "
+          f"float32, with a small x where eps matters, and bfloat16 bit for bit; the same formula in float64 on a "
+          f"float64 case); largest relative difference {worst:.1e}")
     if float32_inside:
         print("  note: on the float64 case yours computes in float32, as transformers' class does (x.float()); the "
               "course's solution keeps a float64 input in float64. Both are accepted.")
@@ -712,7 +713,8 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
     print(f"✓ algorithm1 ({_whose(own)}): {len(cases)} prompts on a {L}-layer Gemma 3 (float64): every layer patched "
           f"from the actual output of the patched layer below; each block's output within {block_worst:.1e} of its "
           f"full-context output and the logits within {logit_worst:.1e} of the full-context logits (relative, the "
-          f"largest over the prompts)")
+          f"largest over the prompts; the logits pass through transformers' final norm, which computes in float32, so "
+          f"a difference below float32's resolution does not reach them: 0 here means equal to float32 resolution)")
     if moved:
         print("  note: you ran the query at another position than its own, len(ids) - 1. For one token alone that "
               "changes nothing: its attention has a single key, whose softmax weight is 1 whatever RoPE does to q and "

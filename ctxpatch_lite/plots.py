@@ -119,10 +119,11 @@ def block_diagram():
     return fig
 
 
-def headline(rows: list[dict], floor: float | None = None, floor_label: str = ""):
+def headline(rows: list[dict], floors: dict | None = None):
     """The claim in one figure: for each run of the query token (``rows``: ``label``, ``linf`` = its largest logit
     difference from the model that read the whole prompt, ``token`` = the token it picks, ``matches``), a bar on a
-    log scale; ``floor``: a reference line (e.g. one float32 ulp of the logits)."""
+    log scale; ``floors``: {label: value} reference lines (e.g. one float32 ulp of the logits, and the baseline's own
+    rounding), drawn in grey with distinct dashes."""
     fig, ax = plt.subplots(figsize=(8.6, 1.1 + 0.7 * len(rows)))
     ys = list(range(len(rows)))[::-1]
     for y, r in zip(ys, rows):
@@ -131,13 +132,14 @@ def headline(rows: list[dict], floor: float | None = None, floor_label: str = ""
         ax.text(max(float(r["linf"]), 1e-12) * 1.6, y, f"top token {r['token']!r}" + (" (the same)" if r["matches"]
                                                                                      else " (another)"),
                 va="center", fontsize=9)
-    if floor:
-        ax.axvline(floor, color="0.4", ls=":", lw=1.3)
-        ax.text(floor * 1.15, ys[0] + 0.42, floor_label, fontsize=8, color="0.3")
+    for j, (label, value) in enumerate((floors or {}).items()):
+        ax.axvline(value, color="0.4", ls=(":", "--")[j % 2], lw=1.3, label=label)
+    if floors:
+        ax.legend(loc="upper right", fontsize=8, frameon=True)          # the bars' labels stay clear of the lines
     ax.set_yticks(ys, [r["label"] for r in rows], fontsize=9)
     ax.set_xscale("log")
     lo = min(max(float(r["linf"]), 1e-12) for r in rows)
-    ax.set_xlim(lo / 30, max(float(r["linf"]) for r in rows) * 400)
+    ax.set_xlim(min([lo, *(floors or {}).values()]) / 30, max(float(r["linf"]) for r in rows) * 150)
     ax.set_ylim(-0.6, len(rows) - 0.2)
     ax.set_xlabel("largest |logit − full-context logit| over the vocabulary (log scale)")
     ax.set_title("The query token alone, with and without the patches, against the model that read the prompt",
