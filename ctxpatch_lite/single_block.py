@@ -26,7 +26,8 @@ class SingleBlockResult:
     v_C: torch.Tensor
     z: torch.Tensor
     z_C: torch.Tensor
-    h: torch.Tensor               # N(W_down h_g) after the input patches: what dm divides by
+    h: torch.Tensor               # N(W_down h_g) after the input patches: what the patched layer computes
+    h_recorded: torch.Tensor      # N(h_down,C), the full-context pass's: what dm divides by with h_source="recorded"
     gate: Rank1                   # dW_gate by its factors (dense on demand: .dW_gate)
     up: Rank1
     dm: torch.Tensor
@@ -37,6 +38,7 @@ class SingleBlockResult:
     unpatched_rel_error: float
     fallbacks: int
     min_abs_h: float
+    hard_case: bool = False       # the stable variant only: Appendix B's secular function had no root (the hard case)
 
     @property
     def singular_values(self) -> dict:
@@ -56,15 +58,17 @@ class SingleBlockResult:
 
 @torch.no_grad()
 def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
-                       parts=("input", "output"), variant: str = "naive", targets=None) -> SingleBlockResult:
+                       parts=("input", "output"), variant: str = "naive", targets=None,
+                       h_source: str = "actual") -> SingleBlockResult:
     """Theorem 1 at ``layer`` for the last token of ``input_ids`` (its context: the tokens before it).
 
     ``parts=("input", "vanilla")`` builds the predecessor's vanilla-block recipe instead (dv added before the
     post-norm); then ``dm`` is None and ``rel_error`` shows how far it misses. ``variant="stable"``: Appendix B's
-    update (a rank-1 patch of W_down and a small remainder in dm). ``targets``: the full-context targets of
+    update (a rank-1 patch of W_down and a small remainder in dm). ``h_source``: what the scale patch divides by,
+    the ``h`` the patched layer computes (``"actual"``) or the one recorded with the context (``"recorded"``). ``targets``: the full-context targets of
     ``input_ids`` when they are already recorded (``Algorithm1.full_context``), shared by the calls for every layer.
     """
-    alg = Algorithm1(model, PatchConfig(schedule="oracle", apply=apply))
+    alg = Algorithm1(model, PatchConfig(schedule="oracle", apply=apply, variant=variant, h_source=h_source))
     ad = alg.adapter
     if not 0 <= layer < ad.n_layers:
         raise ValueError(f"layer {layer} out of range 0..{ad.n_layers - 1}")
@@ -79,7 +83,8 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
     P = ad.parts[layer]
 
     def run(parts):
-        spec = LayerSpec(targets=targets[layer], parts=frozenset(parts), oracle=True, variant=variant)
+        spec = LayerSpec(targets=targets[layer], parts=frozenset(parts), oracle=True, variant=variant,
+                         h_source=h_source)
         pp, got = PatchedPass(ad, {layer: spec}, apply=apply), {}
         with alg.norms(), pp:   # capture hooks go last, so they see the float64 norm outputs
             extra = [P.v_site.register_forward_pre_hook(lambda m, a: got.__setitem__("v", a[0][0, -1].clone())),
@@ -99,10 +104,11 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
     out_t, out_p, out_u = T.out, rec1.outputs[layer][0], rec0.outputs[layer][0]
     d = p.diagnostics
     return SingleBlockResult(
-        layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"], gate=p.gate, up=p.up,
+        layer=layer, v=cap0["v"], v_C=T.v, z=cap0["z"], z_C=T.z, h=cap1["h"],
+        h_recorded=ad.normalize(T.mlp_out, P.output), gate=p.gate, up=p.up,
         dm=None if p.dm is None else p.dm[0], out_target=out_t, out_patched=out_p, out_unpatched=out_u,
         rel_error=relative_error(out_p, out_t), unpatched_rel_error=relative_error(out_u, out_t),
-        fallbacks=d.fallbacks, min_abs_h=d.min_abs_h)
+        fallbacks=d.fallbacks, min_abs_h=d.min_abs_h, hard_case=d.hard_case)
 
 
 @torch.no_grad()

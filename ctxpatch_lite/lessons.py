@@ -1,0 +1,74 @@
+"""Course helpers: engine runs gathered into the rows of one lesson's tables (no arithmetic of their own).
+
+``variant_runs`` is lesson 04's comparison of the four output-patch configurations (naive | stable, dividing by
+the ``h`` the patched pass computes | the one recorded with the context) on the paper's prompts, under lesson
+03's protocol. Its rows feed ``plots.summary`` and ``plots.update_norms``.
+"""
+from __future__ import annotations
+
+import math
+
+from tqdm.auto import tqdm
+
+from .algorithm import PatchConfig
+from .arithmetic import ulp
+from .protocol import run_protocol
+
+CONFIGURATIONS = tuple((v, h) for v in ("naive", "stable") for h in ("actual", "recorded"))
+
+
+def margin_in_ulps(step: dict, dtype: str = "bfloat16") -> float:
+    """The baseline's top-2 logit margin at one protocol step, in ``dtype`` steps at the size of its largest logit."""
+    return step["margin"] / ulp(step["logit_scale"], dtype)
+
+
+def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales: dict[int, int] | None = None,
+                 progress: bool = False) -> list[dict]:
+    """One row per configuration of ``CONFIGURATIONS``: the protocol on every prompt, all judged on the same
+    greedy baseline tokens (the default configuration's run supplies them).
+
+    A row holds the token count (``n_match`` of ``n_tokens``), ``lost_wide`` (lost tokens whose baseline margin was
+    above 2 steps of the model's dtype, so not a tie that rounding decides), the per-step TVDs, the fallbacks (all,
+    and those on coordinates whose scale ``m_k`` is 0), the Appendix B hard cases, the largest norm one token's
+    fallbacks left out (``miss``), the zero-scale coordinates inside hard cases (``m0_hard``, from
+    ``zero_scales``: layer -> count of ``m_k == 0``), and the median over steps of the patches' norms
+    (``dm_norm``, ``matrix_norm``, and their root-sum-square ``total_norm``), each norm taken over all layers.
+    """
+    if tokens < 1:
+        raise ValueError(f"tokens must be at least 1 (got {tokens})")
+    if not prompts:
+        raise ValueError("variant_runs needs at least one prompt")
+    zero_scales = zero_scales or {}
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = dtype if dtype in ("float32", "float64", "bfloat16") else "bfloat16"
+    run = lambda p, cfg, **kw: run_protocol(model, tokenizer, p["text"], tokens, cfg, progress=False,  # noqa: E731
+                                            batched=True, **kw)
+    bar = tqdm(total=len(CONFIGURATIONS) * len(prompts), desc="configurations x prompts", disable=not progress)
+    greedy = []
+    for p in prompts:
+        greedy.append(run(p, PatchConfig()))
+        bar.update()
+    rows = []
+    for var, hs in CONFIGURATIONS:
+        if (var, hs) == ("naive", "actual"):
+            rs = greedy
+        else:
+            rs = []
+            for p, g in zip(prompts, greedy):
+                rs.append(run(p, PatchConfig(variant=var, h_source=hs), greedy=g["generated_ids"]))
+                bar.update()
+        steps = [s for r in rs for s in r["steps"]]
+        d = [s["diagnostics"] for s in steps]
+        lost = [margin_in_ulps(s, dtype) for s in steps if not s["match"]]
+        med = lambda xs: sorted(xs)[(len(xs) - 1) // 2]  # noqa: E731  (the lower median, as torch.median)
+        rows.append({
+            "label": f"{dtype}-{var}/{hs}", "n_match": sum(s["match"] for s in steps), "n_tokens": len(steps),
+            "lost_wide": sum(u > 2 for u in lost), "tvd": [s["tvd"] for s in steps],
+            "fallbacks": sum(x["fallbacks"] for x in d), "fallbacks_m0": sum(x["fallbacks_m0"] for x in d),
+            "hard_cases": sum(x["hard_cases"] for x in d), "miss": max(x["fallback_miss"] for x in d),
+            "m0_hard": sum(zero_scales.get(l, 0) for x in d
+                           for l, hc in zip(x["per_layer"]["layer"], x["per_layer"]["hard_case"]) if hc),
+            "dm_norm": med([x["dm_norm"] for x in d]), "matrix_norm": med([x["matrix_norm"] for x in d]),
+            "total_norm": med([math.hypot(x["matrix_norm"], x["dm_norm"]) for x in d])})
+    bar.close()
+    return rows

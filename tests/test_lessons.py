@@ -1,0 +1,79 @@
+"""Course helpers and the single-block divisor choice that lesson 04 measures."""
+import pytest
+import torch
+
+from ctxpatch_lite.arithmetic import ulp
+from ctxpatch_lite.fixtures import tiny_gemma3, tiny_tokenizer
+from ctxpatch_lite.lessons import CONFIGURATIONS, margin_in_ulps, variant_runs
+from ctxpatch_lite.single_block import single_block_patch
+
+from helpers import CONTEXT_IDS
+
+
+@pytest.mark.parametrize("layer", range(4))
+def test_both_divisors_are_exact_in_float64(tiny64, layer):
+    act = single_block_patch(tiny64, CONTEXT_IDS, layer)
+    rec = single_block_patch(tiny64, CONTEXT_IDS, layer, h_source="recorded")
+    assert act.rel_error <= 1e-12 and rec.rel_error <= 1e-12, (act.rel_error, rec.rel_error)
+    assert (rec.h - rec.h_recorded).abs().max() <= 1e-12       # exact arithmetic: the patched h is the recorded one
+    assert rec.unpatched_rel_error > 1e-3
+
+
+def test_recorded_divisor_error_is_m_plus_dm_times_the_h_difference():
+    """Lesson 04, B1: dividing by the recorded h_C, the patched layer misses T(C, x) by (m + dm) * (h_hat - h_C),
+    up to the bfloat16 rounding of the output; dividing by the actual h_hat, by m * (h_hat - h_C)."""
+    model = tiny_gemma3(seed=1, dtype="bfloat16")
+    checked = 0
+    for layer in range(4):
+        for hs in ("recorded", "actual"):
+            r = single_block_patch(model, CONTEXT_IDS, layer, h_source=hs)
+            m = 1.0 + model.model.layers[layer].post_feedforward_layernorm.weight.float()
+            dh = r.h - r.h_recorded
+            predicted = ((m + r.dm) if hs == "recorded" else m) * dh
+            measured = r.out_patched.float() - r.out_target.float()
+            # two bfloat16 roundings stand between the formula and the output: the scaled norm and the residual sum
+            tol = 2 * ulp(float(torch.maximum(r.out_target.float().abs().max(),
+                                              ((m + r.dm) * r.h).abs().max())), "bfloat16")
+            assert (measured - predicted).abs().max() <= tol, (layer, hs, float((measured - predicted).abs().max()), tol)
+            checked += int(dh.abs().max() > 0)
+    assert checked > 0       # bfloat16 really moved h: the formula was tested on nonzero differences
+
+
+def test_single_block_rejects_an_unknown_divisor(tiny32):
+    with pytest.raises(ValueError, match="h_source"):
+        single_block_patch(tiny32, CONTEXT_IDS, 0, h_source="ideal")
+
+
+def test_margin_in_ulps():
+    step = {"margin": 0.25, "logit_scale": 20.0}            # bfloat16 step at |20|: 0.125
+    assert margin_in_ulps(step) == 2.0
+    assert margin_in_ulps(step, "float32") == 0.25 / ulp(20.0, "float32")
+
+
+def test_variant_runs_rows_on_a_tiny_model(tiny32):
+    tok = tiny_tokenizer()
+    prompts = [{"id": "a", "text": "The cat sat on"}, {"id": "b", "text": "One two three"}]
+    rows = variant_runs(tiny32, tok, prompts, 3)
+    assert [r["label"] for r in rows] == [f"float32-{v}/{h}" for v, h in CONFIGURATIONS]
+    for r in rows:
+        assert r["n_tokens"] == 6 and 0 <= r["n_match"] <= 6 and len(r["tvd"]) == 6
+        assert r["dm_norm"] > 0 and r["matrix_norm"] > 0 and r["total_norm"] >= r["dm_norm"]
+    assert rows[0]["n_match"] == 6                            # float32 naive/actual keeps its own greedy tokens
+    assert all(r["hard_cases"] == 0 for r in rows[:2])        # the naive variant never solves Appendix B
+
+
+@pytest.mark.parametrize("bad, match", [({"tokens": 0}, "tokens must be at least 1"),
+                                        ({"prompts": []}, "at least one prompt")])
+def test_variant_runs_bad_input(tiny32, bad, match):
+    kw = {"prompts": [{"id": "a", "text": "The cat"}], "tokens": 2} | bad
+    with pytest.raises(ValueError, match=match):
+        variant_runs(tiny32, tiny_tokenizer(), kw["prompts"], kw["tokens"])
+
+
+def test_single_block_reports_the_hard_case():
+    """The result carries the engine's hard-case flag: always False for the naive variant (it solves no secular
+    equation), a bool for the stable one, whose patched layer is exact in float64 either way."""
+    model = tiny_gemma3(seed=0, dtype="float64")
+    assert not single_block_patch(model, CONTEXT_IDS, 1).hard_case
+    st = single_block_patch(model, CONTEXT_IDS, 1, variant="stable")
+    assert isinstance(st.hard_case, bool) and st.rel_error <= 1e-10
