@@ -121,17 +121,17 @@ def block_diagram():
 
 def headline(rows: list[dict], floors: dict | None = None):
     """The claim in one figure: for each run of the query token (``rows``: ``label``, ``linf`` = its largest logit
-    difference from the model that read the whole prompt, ``token`` = the token it picks, ``matches``), a bar on a
-    log scale; ``floors``: {label: value} reference lines (e.g. one float32 ulp of the logits, and the baseline's own
+    difference from the model that read the whole prompt, ``token`` = the token it picks, ``matches``), a point on a
+    log scale (a point: its distance; a bar's length would mean nothing on a log axis); ``floors``: {label: value} reference lines (e.g. one float32 ulp of the logits, and the baseline's own
     rounding), drawn in grey with distinct dashes."""
     fig, ax = plt.subplots(figsize=(8.6, 1.1 + 0.7 * len(rows)))
     ys = list(range(len(rows)))[::-1]
     for y, r in zip(ys, rows):
         color = "#2ca02c" if r["matches"] else "#d62728"
-        ax.barh(y, max(float(r["linf"]), 1e-12), color=color, height=0.55)
-        ax.text(max(float(r["linf"]), 1e-12) * 1.6, y, f"top token {r['token']!r}" + (" (the same)" if r["matches"]
-                                                                                     else " (another)"),
-                va="center", fontsize=9)
+        x = max(float(r["linf"]), 1e-12)
+        ax.plot([x], [y], "o", color=color, ms=12, zorder=3)            # a point: on a log axis a bar's length means nothing
+        ax.text(x * 2.2, y, f"top token {r['token']!r}" + (" (the same)" if r["matches"] else " (another)"),
+                va="center", fontsize=9, zorder=4, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
     for j, (label, value) in enumerate((floors or {}).items()):
         ax.axvline(value, color="0.4", ls=(":", "--")[j % 2], lw=1.3, label=label)
     if floors:

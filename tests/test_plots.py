@@ -138,14 +138,17 @@ def test_image_figures():
     assert ax.get_yscale() == "log" and len(ax.get_lines()) == 3 and _integer_ticks(ax)
 
 
-def test_headline_bars_and_reference_lines():
+def test_headline_points_and_reference_lines():
     rows = [{"label": "full context", "linf": 0.0, "token": "a", "matches": True},
             {"label": "patched", "linf": 5e-6, "token": "a", "matches": True},
             {"label": "unpatched", "linf": 42.0, "token": "b", "matches": False}]
     fig = plots.headline(rows, floors={"one float32 step": 2e-6, "the baseline's own rounding": 1.5e-5})
     ax = fig.axes[0]
-    assert ax.get_xscale() == "log" and len(ax.patches) == 3
-    refs = [l for l in ax.get_lines() if len(set(l.get_xdata())) == 1]
+    points = [l for l in ax.get_lines() if l.get_marker() == "o"]
+    assert ax.get_xscale() == "log" and not ax.patches and len(points) == 3        # points, not bars, on a log axis
+    assert [float(l.get_xdata()[0]) for l in points] == [1e-12, 5e-6, 42.0]        # 0 drawn at the axis floor
+    assert [l.get_color() for l in points] == ["#2ca02c", "#2ca02c", "#d62728"]   # green: the same top token
+    refs = [l for l in ax.get_lines() if l.get_marker() != "o"]
     assert sorted(float(l.get_xdata()[0]) for l in refs) == [2e-6, 1.5e-5]
     assert len({str(l.get_linestyle()) for l in refs}) == 2                 # told apart by their dashes
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["one float32 step", "the baseline's own rounding"]
