@@ -27,8 +27,9 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
     """One row per configuration of ``CONFIGURATIONS``: the protocol on every prompt, all judged on the same
     greedy baseline tokens (the default configuration's run supplies them).
 
-    A row holds the token count (``n_match`` of ``n_tokens``), ``lost_wide`` (lost tokens whose baseline margin was
-    above 2 steps of the model's dtype, so not a tie that rounding decides), the per-step TVDs, the fallbacks (all,
+    A row holds the token count (``n_match`` of ``n_tokens``), the lost tokens (``lost``: prompt id, step, and the
+    baseline's top-2 margin in steps of the model's dtype), ``lost_wide`` (those whose margin was above 2 steps, so
+    not a tie that rounding decides), the per-step TVDs, the fallbacks (all,
     and those on coordinates whose scale ``m_k`` is 0), the Appendix B hard cases, the largest norm one token's
     fallbacks left out (``miss``), the zero-scale coordinates inside hard cases (``m0_hard``, from
     ``zero_scales``: layer -> count of ``m_k == 0``), and the median over steps of the patches' norms
@@ -59,11 +60,12 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
                 bar.update()
         steps = [s for r in rs for s in r["steps"]]
         d = [s["diagnostics"] for s in steps]
-        lost = [margin_in_ulps(s, dtype) for s in steps if not s["match"]]
+        lost = [{"prompt": p["id"], "step": st["step"], "ulps": margin_in_ulps(st, dtype)}
+                for p, r in zip(prompts, rs) for st in r["steps"] if not st["match"]]
         med = lambda xs: sorted(xs)[(len(xs) - 1) // 2]  # noqa: E731  (the lower median, as torch.median)
         rows.append({
             "label": f"{dtype}-{var}/{hs}", "n_match": sum(s["match"] for s in steps), "n_tokens": len(steps),
-            "lost_wide": sum(u > 2 for u in lost), "tvd": [s["tvd"] for s in steps],
+            "lost_wide": sum(x["ulps"] > 2 for x in lost), "lost": lost, "tvd": [s["tvd"] for s in steps],
             "fallbacks": sum(x["fallbacks"] for x in d), "fallbacks_m0": sum(x["fallbacks_m0"] for x in d),
             "hard_cases": sum(x["hard_cases"] for x in d), "miss": max(x["fallback_miss"] for x in d),
             "m0_hard": sum(zero_scales.get(l, 0) for x in d

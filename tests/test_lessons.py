@@ -58,6 +58,8 @@ def test_variant_runs_rows_on_a_tiny_model(tiny32):
     for r in rows:
         assert r["n_tokens"] == 6 and 0 <= r["n_match"] <= 6 and len(r["tvd"]) == 6
         assert r["dm_norm"] > 0 and r["matrix_norm"] > 0 and r["total_norm"] >= r["dm_norm"]
+        assert len(r["lost"]) == r["n_tokens"] - r["n_match"] and r["lost_wide"] <= len(r["lost"])
+        assert all(x["prompt"] in ("a", "b") and 0 <= x["step"] < 3 and x["ulps"] >= 0 for x in r["lost"])
     assert rows[0]["n_match"] == 6                            # float32 naive/actual keeps its own greedy tokens
     assert all(r["hard_cases"] == 0 for r in rows[:2])        # the naive variant never solves Appendix B
 
