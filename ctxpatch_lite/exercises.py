@@ -191,6 +191,10 @@ def check_rms_norm(fn: Callable | None) -> Checked:
                 wrong["Compute the scale 1 + w in float32 too (1.0 + w.float()): 1 + w rounded to bfloat16 loses the "
                       "low bits of w before the product, and Gemma3RMSNorm does not round it."] = (
                     (xf32 * torch.rsqrt(xf32.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)).to(x.dtype)).double()
+                wrong["Multiply by 1 + w before casting back: Gemma3RMSNorm scales in float32 and rounds to bfloat16 once, "
+                      "at the end; casting the normalised x first and then scaling in bfloat16 (as Llama's RMSNorm "
+                      "does) rounds twice."] = (
+                    (xf32 * torch.rsqrt(xf32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * (1 + w)).double()
             hint = _hint(out.double(), wrong, 1e-3 if x.dtype != torch.float64 else 1e-9)
             raise ExerciseError(hint or f"on a {x.dtype} case rms_norm differs from Gemma3RMSNorm by {_rel(out, want):.2e}"
                                         f" (relative): y = x / sqrt(mean(x², last axis) + eps) * (1 + w), in float32")
@@ -395,8 +399,8 @@ def check_input_patch(fn: Callable | None) -> Checked:
         W, z, zc = cases[0]
         ours, paper = float(_call(fn, (W, z, zc), "input_patch").double().norm()), float(solutions.input_patch(
             W, z, zc).norm())
-        note = (f"correct, and not the paper's: on the first case ‖ΔW‖_F = {ours:.3g}, while the paper's "
-                f"W(z_C − z)zᵀ/‖z‖² has {paper:.3g}, the smallest of all patches with ΔW z = W(z_C − z)")
+        note = (f"correct, and not the paper's: on the first case ‖ΔW‖_F = {ours:.6g}, {ours / paper:.4f} times the "
+                f"paper's W(z_C − z)zᵀ/‖z‖² ({paper:.6g}), the smallest of all patches with ΔW z = W(z_C − z)")
     print(f"✓ input_patch ({_whose(own)}): (W + ΔW) z = W z_C on {len(cases)} cases (largest relative error "
           f"{worst:.1e}), ΔW of rank 1; {note}")
     return Checked("input_patch", fn, own, {"cases": len(cases), "max_error": worst, "minimum_norm": all(minimal)})

@@ -1,6 +1,8 @@
 """The course's exercise checks (ctxpatch_lite.exercises): a stub is answered with the package's solution and a
 note; at least two different correct answers pass each check; at least five typical wrong answers are rejected,
 each with the hint that names its mistake."""
+import re
+
 import pytest
 import torch
 
@@ -73,6 +75,11 @@ def test_rms_norm_wrong_answers():
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + e) * (1 + w)).to(x.dtype)
     rejects(ex.check_rms_norm, scale_in_bfloat16, "1.0 + w.float()")
+
+    def cast_then_scale(x, w, e):                    # Llama's order: normalise in float32, cast, then scale in bfloat16
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + e)).to(x.dtype) * (1 + w)
+    rejects(ex.check_rms_norm, cast_then_scale, "before casting back")
 
 
 # -------------------------------------------------------------------------------------------- the block (01)
@@ -148,6 +155,8 @@ def test_input_patch_accepts_every_correct_answer(capsys):
         return torch.outer(W @ (zc - z), a) / a.dot(z)
     c, out = accepts(ex.check_input_patch, other_direction, capsys)
     assert "not the paper's" in out and "smallest" in out and c.report["minimum_norm"] is False
+    ratio = float(re.search(r"([0-9.]+) times the paper's", out).group(1))
+    assert ratio > 1.0001                              # the message shows how much larger, not two equal-looking norms
     accepts(ex.check_input_patch, lambda W, z, zc: (W @ zc - W @ z)[:, None] * z[None, :] / (z @ z), capsys)
 
 
