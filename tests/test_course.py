@@ -38,10 +38,15 @@ def test_opens_and_closes_like_a_course(path):
     times = json.loads((ROOT / "notebooks" / "times.json").read_text())
     said = said_time(times["seconds"][path.stem])      # make run ARGS=--store writes both
     assert f"| **Time** | {said} to execute on 2 CPU cores" in head, (said, times["measured"])
-    prose = [c for c in nb.cells if c.cell_type == "markdown"]
-    assert prose[-1].source.startswith("## Takeaways") and "## Questions to try" in prose[-1].source
-    after = nb.cells[nb.cells.index(prose[-1]) + 1:]
-    assert all("plumbing" in c.metadata.get("tags", []) for c in after)
+    closing = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and c.source.startswith("## Takeaways")]
+    assert len(closing) == 1 and "## Questions to try" in nb.cells[closing[0]].source
+    after = [c for c in nb.cells[closing[0] + 1:] if "plumbing" not in c.metadata.get("tags", [])]
+    # after the questions, only optional deep dives (each opened by its own heading) and the plumbing
+    if after:
+        assert after[0].cell_type == "markdown", "a deep dive opens with its heading"
+    for c in after:
+        if c.cell_type == "markdown" and c.source.startswith("## "):
+            assert re.match(r"## Deep dive \d+ \(optional\) · ", c.source), c.source.splitlines()[0]
 
 
 def _colab_cells():
