@@ -23,9 +23,10 @@ def margin_in_ulps(step: dict, dtype: str = "bfloat16") -> float:
 
 
 def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales: dict[int, int] | None = None,
-                 progress: bool = False) -> list[dict]:
-    """One row per configuration of ``CONFIGURATIONS``: the protocol on every prompt, all judged on the same
-    greedy baseline tokens (the default configuration's run supplies them).
+                 progress: bool = False, configurations=CONFIGURATIONS) -> list[dict]:
+    """One row per configuration (``(variant, h_source)`` pairs of ``CONFIGURATIONS``, all of them unless
+    ``configurations`` names fewer, in that order): the protocol on every prompt, all judged on the same greedy
+    baseline tokens (the default configuration's run supplies them, and gives its row only if it is asked for).
 
     A row holds the token count (``n_match`` of ``n_tokens``), the lost tokens (``lost``: prompt id, step, and the
     baseline's top-2 margin in steps of the model's dtype), ``lost_wide`` (those whose margin was above 2 steps, so
@@ -39,18 +40,24 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
         raise ValueError(f"tokens must be at least 1 (got {tokens})")
     if not prompts:
         raise ValueError("variant_runs needs at least one prompt")
+    configurations = [tuple(c) for c in configurations]
+    unknown = [c for c in configurations if c not in CONFIGURATIONS]
+    if unknown or not configurations:
+        raise ValueError(f"configurations must be (variant, h_source) pairs among {list(CONFIGURATIONS)}; "
+                         f"got {unknown or 'none'}")
     zero_scales = zero_scales or {}
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     dtype = dtype if dtype in ("float32", "float64", "bfloat16") else "bfloat16"
     run = lambda p, cfg, **kw: run_protocol(model, tokenizer, p["text"], tokens, cfg, progress=False,  # noqa: E731
                                             batched=True, **kw)
-    bar = tqdm(total=len(CONFIGURATIONS) * len(prompts), desc="configurations x prompts", disable=not progress)
+    extra = [c for c in configurations if c != ("naive", "actual")]
+    bar = tqdm(total=(1 + len(extra)) * len(prompts), desc="configurations x prompts", disable=not progress)
     greedy = []
     for p in prompts:
         greedy.append(run(p, PatchConfig()))
         bar.update()
     rows = []
-    for var, hs in CONFIGURATIONS:
+    for var, hs in configurations:
         if (var, hs) == ("naive", "actual"):
             rs = greedy
         else:

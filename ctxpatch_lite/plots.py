@@ -310,6 +310,32 @@ def update_norms(rows: list[dict], title: str = "Update norms per variant (media
     return fig
 
 
+def error_formula(rows: list[dict], title: str = "The bfloat16 error formula, one coordinate per layer"):
+    """Predicted against measured error at one coordinate per layer (rows with ``layer``, ``predicted_k``,
+    ``measured_k``), log-log by size, with the line where they are equal; each point is labelled with its layer.
+    Sizes are drawn as they are: a zero would raise, not be clamped."""
+    pred = np.abs([r["predicted_k"] for r in rows])
+    meas = np.abs([r["measured_k"] for r in rows])
+    if (pred <= 0).any() or (meas <= 0).any():
+        raise ValueError("error_formula draws sizes on log axes: every predicted and measured error must be nonzero")
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    lo, hi = min(pred.min(), meas.min()) / 2, max(pred.max(), meas.max()) * 2
+    ax.plot([lo, hi], [lo, hi], ":", color="0.5", label="measured = predicted")
+    ax.scatter(pred, meas, color="#d95f02", zorder=3, label="one layer")
+    for r, x, y in zip(rows, pred, meas):
+        ax.annotate(str(r["layer"]), (x, y), textcoords="offset points", xytext=(4, -9), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("predicted |(m_k + Δm_k)(ĥ_k − h_C,k)|")
+    ax.set_ylabel("measured |error_k| (dividing by the recorded h_C)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
 def start_layer_sweep(rows: list[dict]):
     """Against the start layer, one line per label: token match, median L∞, ‖Δv‖ at the start layer (what the first
     patched layer must absorb) and the median update norms. Labels are dodged sideways by 0.2 layer so that equal

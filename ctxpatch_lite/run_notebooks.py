@@ -96,6 +96,8 @@ def stored_outputs(executed: Path, original: Path) -> None:
     nbformat.write(nb, original)
 
 
+# the series: NN_name.ipynb, and NNb_name.ipynb for an optional companion of lesson NN (run right after it)
+NOTEBOOK_GLOB = "[0-9][0-9]*_*.ipynb"
 TIME_ROW = "| **Time** |"
 
 
@@ -110,7 +112,7 @@ def write_times(nb_dir: Path, seconds: dict) -> None:
     import re
 
     import nbformat
-    for path in sorted(Path(nb_dir).glob("[0-9][0-9]_*.ipynb")):
+    for path in sorted(Path(nb_dir).glob(NOTEBOOK_GLOB)):
         nb, changed = nbformat.read(path, as_version=4), False
         for cell in nb.cells:
             if cell.cell_type != "markdown":
@@ -123,7 +125,7 @@ def write_times(nb_dir: Path, seconds: dict) -> None:
                 def row(m):
                     stem = m.group(2)
                     return m.group(1) + (said_time(seconds[stem]) if stem in seconds else m.group(3)) + " |"
-                src = re.sub(r"(?m)^(\| \[[^\]]*\]\((\d\d_\w+)\.ipynb\).*\| )([^|]*) \|$", row, src)
+                src = re.sub(r"(?m)^(\| \[[^\]]*\]\((\d\d[a-z]?_\w+)\.ipynb\).*\| )([^|]*) \|$", row, src)
             if src != cell.source:
                 cell.source, changed = src, True
         if changed:
@@ -218,11 +220,11 @@ def main(argv=None) -> int:
     pm = require("papermill", "notebooks", "running the notebook series")
 
     nb_dir = Path(args.notebooks)
-    notebooks = sorted(p for p in nb_dir.glob("[0-9][0-9]_*.ipynb"))
+    notebooks = sorted(p for p in nb_dir.glob(NOTEBOOK_GLOB))
     if args.only:
         notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in args.only)]
     if not notebooks:
-        print(f"error: no notebooks (NN_name.ipynb) found in {nb_dir.resolve()}; run from a clone of the repository "
+        print(f"error: no notebooks (NN_name.ipynb, or NNa_name.ipynb for a lesson's companion) found in {nb_dir.resolve()}; run from a clone of the repository "
               f"or pass --notebooks DIR (the notebooks are not part of the installed package)", file=sys.stderr)
         return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -64,12 +64,26 @@ def test_variant_runs_rows_on_a_tiny_model(tiny32):
     assert all(r["hard_cases"] == 0 for r in rows[:2])        # the naive variant never solves Appendix B
 
 
+def test_variant_runs_a_subset_of_configurations(tiny32):
+    """Asking for fewer configurations gives their rows only, equal to the full run's (same baseline tokens)."""
+    tok = tiny_tokenizer()
+    prompts = [{"id": "a", "text": "The cat sat on"}]
+    full = {r["label"]: r for r in variant_runs(tiny32, tok, prompts, 2)}
+    some = variant_runs(tiny32, tok, prompts, 2, configurations=[("stable", "recorded"), ("stable", "actual")])
+    assert [r["label"] for r in some] == ["float32-stable/recorded", "float32-stable/actual"]
+    for r in some:
+        assert r == full[r["label"]]
+
+
 @pytest.mark.parametrize("bad, match", [({"tokens": 0}, "tokens must be at least 1"),
-                                        ({"prompts": []}, "at least one prompt")])
+                                        ({"prompts": []}, "at least one prompt"),
+                                        ({"configurations": [("stable", "ideal")]}, "pairs among"),
+                                        ({"configurations": []}, "got none")])
 def test_variant_runs_bad_input(tiny32, bad, match):
     kw = {"prompts": [{"id": "a", "text": "The cat"}], "tokens": 2} | bad
     with pytest.raises(ValueError, match=match):
-        variant_runs(tiny32, tiny_tokenizer(), kw["prompts"], kw["tokens"])
+        variant_runs(tiny32, tiny_tokenizer(), kw["prompts"], kw["tokens"],
+                     **({"configurations": kw["configurations"]} if "configurations" in kw else {}))
 
 
 def test_single_block_reports_the_hard_case():

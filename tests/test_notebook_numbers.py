@@ -11,9 +11,10 @@ import nbformat
 import pytest
 
 from ctxpatch_lite.arithmetic import flatten
+from ctxpatch_lite.run_notebooks import NOTEBOOK_GLOB
 
 ROOT = Path(__file__).parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob(NOTEBOOK_GLOB))
 CFG = (ROOT / "notebooks" / "nbval_sanitize.cfg").read_text()
 NUMBER = re.compile(re.search(r"\[numbers[^\n]*\]\nregex: (.*)\n", CFG).group(1))
 

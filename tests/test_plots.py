@@ -153,3 +153,14 @@ def test_headline_points_and_reference_lines():
     assert len({str(l.get_linestyle()) for l in refs}) == 2                 # told apart by their dashes
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["one float32 step", "the baseline's own rounding"]
     assert ax.get_xlim()[0] < 2e-6 and ax.get_xlabel()
+
+
+def test_error_formula_draws_every_layer_and_refuses_a_zero():
+    rows = [{"layer": l, "predicted_k": (-1) ** l * 10.0 ** l, "measured_k": 1.05 * (-1) ** l * 10.0 ** l} for l in range(4)]
+    ax = plots.error_formula(rows).axes[0]
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+    xy = ax.collections[0].get_offsets()
+    assert len(xy) == 4 and (xy[:, 0] > 0).all()                 # sizes: the signs are dropped, not the points
+    assert [t.get_text() for t in ax.texts] == ["0", "1", "2", "3"]
+    with pytest.raises(ValueError, match="nonzero"):
+        plots.error_formula(rows + [{"layer": 4, "predicted_k": 0.0, "measured_k": 1.0}])
