@@ -28,6 +28,8 @@ check                  the property                                     typical 
 ``check_stable_patch`` dW_down rank 1, the new post-norm input           the naive patch (dW = 0), ||h_g|| for ||h_g||^2,
                        normalises to Appendix B's y, (m + dm) N = g;    y without m, g for y, the remainder r for dm,
                        any scale of h_target (says the paper's)         dividing by m
+``check_naive_miss``   the naive patch's output minus the target,       the sign, the divisors swapped, the m term
+                       for either divisor, with the paper's guard        dropped, no division, a non-finite miss at d = 0
 =====================  ===============================================  =================================================
 """
 from __future__ import annotations
@@ -915,3 +917,73 @@ def check_stable_patch(fn: Callable | None) -> Checked:
              "yours gives h_target another scale than the paper's C0 = RMS(h_down_C) (the RMS, not the norm ‖h_down_C‖): "
              "N ignores it, so the output is the same, but ΔW_down is another matrix"))
     return Checked("stable_patch", fn, own, {"cases": len(cases), "max_error": worst, "paper_scale": paper_scale})
+
+
+# ------------------------------------------------------------------------------ 04: the naive patch in low precision
+def _miss_cases() -> list:
+    """(dv, m, h_hat, h_C, divide_by) in float64: h_hat = h_C + a rounding-sized difference (an absolute 1e-3, so
+    relatively large where h_C is small), a few h_C far smaller than the rest, one exact zero of h_C and one of
+    h_hat, m with an exact 0 and values up to the hundreds, as on the real model; both divisors."""
+    cases = []
+    for seed, div in ((0, "recorded"), (1, "actual"), (2, "recorded"), (3, "actual")):
+        g = _gen(70 + seed)
+        n = 24
+        h_C = torch.randn(n, generator=g, dtype=torch.float64)
+        h_C[:4] *= 1e-5                                                    # small |h_C|: a huge dm there
+        h_C[5] = 0.0
+        h_hat = h_C + 1e-3 * torch.randn(n, generator=g, dtype=torch.float64)
+        h_hat[6] = 0.0
+        m = 1 + 300 * torch.rand(n, generator=g, dtype=torch.float64)
+        m[7] = 0.0
+        dv = 10 * torch.randn(n, generator=g, dtype=torch.float64)
+        cases.append((dv, m, h_hat, h_C, div))
+    return cases
+
+
+def _miss_wrong(dv, m, h_hat, h_C, div) -> dict:
+    other = "actual" if div == "recorded" else "recorded"
+    d = h_C if div == "recorded" else h_hat
+    dm = dv / torch.where(d == 0, torch.ones_like(d), d)
+    want = solutions.naive_miss(dv, m, h_hat, h_C, div)
+    return {
+        "the sign: the miss is the patched output minus the target, v + (m + Δm) ⊙ ĥ − (v_C + m ⊙ h_C)": -want,
+        f"the divisors are swapped: with divide_by={div!r}, Δm = (v_C − v) ⊘ "
+        f"{'h_C, the recorded h' if div == 'recorded' else 'ĥ, the h the patched layer computes'}":
+            solutions.naive_miss(dv, m, h_hat, h_C, other),
+        "the scale m acts on the patched layer's ĥ too: the output is v + (m + Δm) ⊙ ĥ and the target v_C + m ⊙ h_C, "
+        "so m ⊙ (ĥ − h_C) is part of the miss": dm * h_hat - dv,
+        "Δm divides (v_C − v) by the chosen h (Eq. 4): Δm = (v_C − v) ⊘ h, not v_C − v itself":
+            (m + dv) * h_hat - m * h_C - dv,
+    }
+
+
+def check_naive_miss(fn: Callable | None) -> Checked:
+    """04: ``fn(dv, m, h_hat, h_C, divide_by)`` must return, per coordinate, the naive patch's output
+    v + (m + dm) h_hat minus the target v_C + m h_C, where dm = dv / d divides by d = h_C ("recorded") or d = h_hat
+    ("actual"), and by 1 where d is exactly 0. Any algebraically equal form passes (to 1e-9 relative, float64)."""
+    cases = _miss_cases()
+    fn, own = _begin("naive_miss", fn, cases[0])
+    worst = 0.0
+    for dv, m, h_hat, h_C, div in cases:
+        out = _call(fn, (dv, m, h_hat, h_C, div), "naive_miss")
+        if not isinstance(out, torch.Tensor) or out.shape != dv.shape:
+            raise ExerciseError(f"naive_miss must return a tensor of dv's shape {tuple(dv.shape)} (the miss at every "
+                                f"coordinate); got {getattr(out, 'shape', type(out).__name__)}")
+        out = out.double()
+        if not torch.isfinite(out).all():
+            k = int((~torch.isfinite(out)).nonzero()[0])
+            raise ExerciseError(f"the miss is not finite at coordinate {k}, where the divisor "
+                                f"{'h_C' if div == 'recorded' else 'ĥ'} is exactly 0: the naive patch divides by 1 "
+                                "there (the paper's guard, lesson 02's scale_patch)")
+        want = solutions.naive_miss(dv, m, h_hat, h_C, div)
+        err = _rel(out, want)
+        if err > 1e-9:
+            raise ExerciseError(_hint(out, _miss_wrong(dv, m, h_hat, h_C, div), 1e-9)
+                                or f"with divide_by={div!r} the miss differs from v + (m + Δm) ⊙ ĥ − (v_C + m ⊙ h_C) "
+                                   f"by {err:.2e} (relative to its largest coordinate)")
+        worst = max(worst, err)
+    print(f"✓ naive_miss ({_whose(own)}): the patched output minus the target, for both divisors, on {len(cases)} "
+          f"cases with small and exactly-zero h (largest relative difference {worst:.1e}). Now simplify it by hand, "
+          "for each divisor, where the divisor is not 0.")
+    return Checked("naive_miss", fn, own, {"cases": len(cases), "max_error": worst})
+

@@ -312,18 +312,19 @@ def update_norms(rows: list[dict], title: str = "Update norms per variant (media
 
 def error_formula(rows: list[dict], title: str = "The bfloat16 error formula, one coordinate per layer"):
     """Predicted against measured error at one coordinate per layer (rows with ``layer``, ``predicted_k``,
-    ``measured_k``), log-log by size, with the line where they are equal; each point is labelled with its layer.
+    ``measured_k``), log-log by size, with the line where they are equal; each point is coloured by its layer.
     Sizes are drawn as they are: a zero would raise, not be clamped."""
     pred = np.abs([r["predicted_k"] for r in rows])
     meas = np.abs([r["measured_k"] for r in rows])
     if (pred <= 0).any() or (meas <= 0).any():
         raise ValueError("error_formula draws sizes on log axes: every predicted and measured error must be nonzero")
-    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    fig, ax = plt.subplots(figsize=(5.8, 4.4))
     lo, hi = min(pred.min(), meas.min()) / 2, max(pred.max(), meas.max()) * 2
     ax.plot([lo, hi], [lo, hi], ":", color="0.5", label="measured = predicted")
-    ax.scatter(pred, meas, color="#d95f02", zorder=3, label="one layer")
-    for r, x, y in zip(rows, pred, meas):
-        ax.annotate(str(r["layer"]), (x, y), textcoords="offset points", xytext=(4, -9), fontsize=7)
+    layers = [r["layer"] for r in rows]
+    pts = ax.scatter(pred, meas, c=layers, cmap="viridis", edgecolors="black", linewidths=0.4, s=36, zorder=3,
+                     label="one layer (colour: its index)")
+    fig.colorbar(pts, ax=ax, label="layer")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)

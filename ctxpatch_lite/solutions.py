@@ -124,3 +124,18 @@ def stable_patch(g: torch.Tensor, m: torch.Tensor, mu: float, h_g_C: torch.Tenso
     n_t = h_target / torch.sqrt(h_target.pow(2).mean() + eps)
     dm = (g - m * n_t) / torch.where(n_t == 0, torch.ones_like(n_t), n_t)
     return dW_down, dm
+
+
+def naive_miss(dv: torch.Tensor, m: torch.Tensor, h_hat: torch.Tensor, h_C: torch.Tensor,
+               divide_by: str) -> torch.Tensor:
+    """Lesson 04, Part B: how far the naive patch's output v + (m + dm) h_hat misses the target v_C + m h_C, per
+    coordinate, when dm = (v_C - v) / d divides by ``d = h_C`` (``divide_by="recorded"``) or by ``d = h_hat``
+    (``"actual"``), with the paper's guard (1 where d is exactly 0). ``dv`` is v_C - v, so the miss is
+    (m + dm) h_hat - m h_C - dv; by hand, (m + dm)(h_hat - h_C) for "recorded" and m (h_hat - h_C) for "actual"
+    (where d != 0)."""
+    if divide_by not in ("recorded", "actual"):
+        raise ValueError(f"divide_by must be 'recorded' or 'actual', got {divide_by!r}")
+    d = h_C if divide_by == "recorded" else h_hat
+    dm = dv / torch.where(d == 0, torch.ones_like(d), d)
+    return (m + dm) * h_hat - m * h_C - dv
+

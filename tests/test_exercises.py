@@ -476,3 +476,41 @@ def test_secular_root_accepts_a_root_to_1e9_and_asks_for_a_tighter_stop_near_it(
         return root
     accepts(ex.check_secular_root, bisect(1e-12), capsys)
     rejects(ex.check_secular_root, bisect(1e-7), "tighten your stopping rule")
+
+
+# ------------------------------------------------------------------------------------ naive patch's miss (04, Part B)
+def test_naive_miss_accepts_every_correct_answer(capsys):
+    def simplified(dv, m, h_hat, h_C, divide_by):            # the hand-simplified forms, guarded where d = 0
+        d = h_C if divide_by == "recorded" else h_hat
+        dm = dv / torch.where(d == 0, torch.ones_like(d), d)
+        short = (m + dm) * (h_hat - h_C) if divide_by == "recorded" else m * (h_hat - h_C)
+        return torch.where(d == 0, (m + dm) * h_hat - m * h_C - dv, short)
+
+    def from_outputs(dv, m, h_hat, h_C, divide_by):          # with an explicit v (any v: only v_C - v matters)
+        v = torch.full_like(dv, 3.0)
+        d = h_C if divide_by == "recorded" else h_hat
+        dm = dv / torch.where(d == 0, 1.0, d)
+        return (v + (m + dm) * h_hat) - ((v + dv) + m * h_C)
+
+    for fn in (sol.naive_miss, simplified, from_outputs):
+        c, out = accepts(ex.check_naive_miss, fn, capsys)
+        assert "for both divisors" in out and c.report["cases"] == 4
+    c = ex.check_naive_miss(stub)
+    assert not c.own and "naive_miss is not written yet" in capsys.readouterr().out
+
+
+def test_naive_miss_wrong_answers():
+    def guard(d):
+        return torch.where(d == 0, torch.ones_like(d), d)
+    rejects(ex.check_naive_miss, lambda dv, m, hh, hc, div: -sol.naive_miss(dv, m, hh, hc, div), "the sign")
+    rejects(ex.check_naive_miss, lambda dv, m, hh, hc, div: sol.naive_miss(dv, m, hh, hc, "actual"),
+            "divisors are swapped")
+    rejects(ex.check_naive_miss, lambda dv, m, hh, hc, div: sol.naive_miss(
+        dv, m, hh, hc, {"recorded": "actual", "actual": "recorded"}[div]), "divisors are swapped")
+    rejects(ex.check_naive_miss, lambda dv, m, hh, hc, div: dv / guard(hc if div == "recorded" else hh) * hh - dv,
+            "m ⊙ (ĥ − h_C) is part of the miss")
+    rejects(ex.check_naive_miss, lambda dv, m, hh, hc, div: (m + dv) * hh - m * hc - dv, "not v_C − v itself")
+    rejects(ex.check_naive_miss, lambda dv, m, hh, hc, div: (m + dv / (hc if div == "recorded" else hh)) * hh
+            - m * hc - dv, "not finite")
+    rejects(ex.check_naive_miss, lambda dv, m, hh, hc, div: sol.naive_miss(dv, m, hh, hc, div)[:-1], "dv's shape")
+

@@ -161,6 +161,7 @@ def test_error_formula_draws_every_layer_and_refuses_a_zero():
     assert ax.get_xscale() == ax.get_yscale() == "log"
     xy = ax.collections[0].get_offsets()
     assert len(xy) == 4 and (xy[:, 0] > 0).all()                 # sizes: the signs are dropped, not the points
-    assert [t.get_text() for t in ax.texts] == ["0", "1", "2", "3"]
+    assert list(ax.collections[0].get_array()) == [0, 1, 2, 3]      # coloured by layer, with a colour bar
+    assert len(ax.figure.axes) == 2
     with pytest.raises(ValueError, match="nonzero"):
         plots.error_formula(rows + [{"layer": 4, "predicted_k": 0.0, "measured_k": 1.0}])
