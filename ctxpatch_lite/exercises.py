@@ -30,6 +30,8 @@ check                  the property                                     typical 
                        any scale of h_target (says the paper's)         dividing by m
 ``check_naive_miss``   the naive patch's output minus the target,       the sign, the divisors swapped, the m term
                        for either divisor, with the paper's guard        dropped, no division, a non-finite miss at d = 0
+``check_error_``       04b: the formula's prediction and the measured   w for m = 1 + w, either sign flipped, the actual
+``formula``            miss, on every layer of a tiny bfloat16 model    divisor's formula, h_hat for h_hat - h_C
 =====================  ===============================================  =================================================
 """
 from __future__ import annotations
@@ -986,4 +988,57 @@ def check_naive_miss(fn: Callable | None) -> Checked:
           f"cases with small and exactly-zero h (largest relative difference {worst:.1e}). Now simplify it by hand, "
           "for each divisor, where the divisor is not 0.")
     return Checked("naive_miss", fn, own, {"cases": len(cases), "max_error": worst})
+
+
+# ------------------------------------------------------------------------ 04b: the error formula on a real layer
+def _formula_cases() -> list:
+    """(result, post-norm) of the naive patch dividing by the recorded h_C, on every layer of a tiny bfloat16
+    Gemma 3: its h_hat differs from h_C by bfloat16 rounding, as on the real model."""
+    from .fixtures import tiny_gemma3
+    from .single_block import single_block_patch
+    model = tiny_gemma3(seed=1, dtype="bfloat16")
+    ids = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]
+    return [(single_block_patch(model, ids, l, h_source="recorded"), model.model.layers[l].post_feedforward_layernorm)
+            for l in range(model.config.num_hidden_layers)]
+
+
+def check_error_formula(fn: Callable | None) -> Checked:
+    """04b: ``fn(res, post_norm)`` must return ``(predicted, measured)``: (m + dm)(h_hat - h_C) with m = 1 + w, and
+    the patched output minus T(C, x), per coordinate, for a naive patch that divides by the recorded h_C. Any
+    arithmetic at float32 or better passes (1e-5 relative)."""
+    cases = _formula_cases()
+    fn, own = _begin("error_formula", fn, cases[0])
+    worst = 0.0
+    for res, post in cases:
+        out = _call(fn, (res, post), "error_formula")
+        if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+            raise ExerciseError("error_formula must return the pair (predicted, measured), two tensors")
+        want = solutions.error_formula(res, post)
+        if any(t.shape != w.shape for t, w in zip(out, want)):
+            raise ExerciseError(f"predicted and measured are per coordinate: shape {tuple(want[0].shape)}, "
+                                f"got {tuple(out[0].shape)} and {tuple(out[1].shape)}")
+        m, dh = 1.0 + post.weight.float(), res.h.float() - res.h_recorded.float()
+        for name, got, w, wrong in (
+                ("predicted", out[0], want[0], {
+                    "m = 1 + w: the layer stores w in post_norm.weight, and its scale is 1 + w":
+                        (post.weight.float() + res.dm.float()) * dh,
+                    "the difference is ĥ − h_C: res.h is what the patched layer computes, res.h_recorded what the "
+                    "full-context pass recorded": -want[0],
+                    "m (ĥ − h_C) is the error of the *actual* divisor; res was built with h_source='recorded', so "
+                    "Δm multiplies the difference too: (m + Δm)(ĥ − h_C)": m * dh,
+                    "the formula multiplies the *difference* ĥ − h_C, not ĥ itself": (m + res.dm.float()) * res.h.float(),
+                }),
+                ("measured", out[1], want[1], {
+                    "measured is the patched output minus the target, res.out_patched − res.out_target": -want[1],
+                    "measured is the patched layer's miss against the target res.out_target, not the unpatched "
+                    "layer's": res.out_unpatched.float() - res.out_target.float(),
+                })):
+            err = _rel(got.double(), w.double())
+            if not math.isfinite(err) or err > 1e-5:
+                raise ExerciseError(_hint(got.float(), wrong, 1e-5)
+                                    or f"{name} differs from the reference by {err:.2e} (relative) on layer {res.layer}")
+            worst = max(worst, err)
+    print(f"✓ error_formula ({_whose(own)}): the prediction (m + Δm)(ĥ − h_C) and the measured miss on all "
+          f"{len(cases)} layers of a tiny bfloat16 Gemma 3 (largest relative difference {worst:.1e})")
+    return Checked("error_formula", fn, own, {"cases": len(cases), "max_error": worst})
 

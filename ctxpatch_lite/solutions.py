@@ -139,3 +139,14 @@ def naive_miss(dv: torch.Tensor, m: torch.Tensor, h_hat: torch.Tensor, h_C: torc
     dm = dv / torch.where(d == 0, torch.ones_like(d), d)
     return (m + dm) * h_hat - m * h_C - dv
 
+
+def error_formula(res, post_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lesson 04b, Part 1: for one layer patched alone with the naive patch dividing by the recorded h_C
+    (``single_block_patch(..., h_source="recorded")``, its result ``res``), the error formula's prediction
+    (m + dm)(h_hat - h_C) and the measured miss of the patched output against T(C, x), both per coordinate in
+    float32. ``post_norm`` is the layer's post-feed-forward RMSNorm: its scale is m = 1 + weight (Gemma stores w)."""
+    m = 1.0 + post_norm.weight.float()
+    predicted = (m + res.dm.float()) * (res.h.float() - res.h_recorded.float())
+    measured = res.out_patched.float() - res.out_target.float()
+    return predicted, measured
+

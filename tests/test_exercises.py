@@ -514,3 +514,38 @@ def test_naive_miss_wrong_answers():
             - m * hc - dv, "not finite")
     rejects(ex.check_naive_miss, lambda dv, m, hh, hc, div: sol.naive_miss(dv, m, hh, hc, div)[:-1], "dv's shape")
 
+
+# ----------------------------------------------------------------------------------- error formula (04b, Part 1)
+def test_error_formula_accepts_every_correct_answer(capsys):
+    def in_float64(res, post):
+        m = 1.0 + post.weight.double()
+        return ((m + res.dm.double()) * (res.h.double() - res.h_recorded.double()),
+                res.out_patched.double() - res.out_target.double())
+
+    def from_target_minus(res, post):                     # the same numbers, written the other way round
+        m = 1.0 + post.weight.float()
+        return (-(m + res.dm) * (res.h_recorded - res.h), -(res.out_target.float() - res.out_patched.float()))
+
+    for fn in (sol.error_formula, in_float64, from_target_minus):
+        c, out = accepts(ex.check_error_formula, fn, capsys)
+        assert c.report["cases"] == 4 and "tiny bfloat16" in out
+    c = ex.check_error_formula(stub)
+    assert not c.own and "error_formula is not written yet" in capsys.readouterr().out
+
+
+def test_error_formula_wrong_answers():
+    def pm(res, post, m=None, dh=None, measured=None):
+        m = 1.0 + post.weight.float() if m is None else m
+        dh = res.h - res.h_recorded if dh is None else dh
+        return (m + res.dm) * dh, (res.out_patched.float() - res.out_target.float()) if measured is None else measured
+    rejects(ex.check_error_formula, lambda r, p: pm(r, p, m=p.weight.float()), "m = 1 + w")
+    rejects(ex.check_error_formula, lambda r, p: pm(r, p, dh=r.h_recorded - r.h), "ĥ − h_C")
+    rejects(ex.check_error_formula, lambda r, p: ((1 + p.weight.float()) * (r.h - r.h_recorded), pm(r, p)[1]),
+            "error of the *actual* divisor")
+    rejects(ex.check_error_formula, lambda r, p: pm(r, p, dh=r.h), "not ĥ itself")
+    rejects(ex.check_error_formula, lambda r, p: pm(r, p, measured=r.out_target.float() - r.out_patched.float()),
+            "patched output minus the target")
+    rejects(ex.check_error_formula, lambda r, p: pm(r, p, measured=r.out_unpatched.float() - r.out_target.float()),
+            "not the unpatched")
+    rejects(ex.check_error_formula, lambda r, p: pm(r, p)[0], "the pair")
+
