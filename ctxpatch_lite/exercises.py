@@ -28,8 +28,8 @@ check                  the property                                     typical 
 ``check_stable_patch`` dW_down rank 1, the new post-norm input           the naive patch (dW = 0), ||h_g|| for ||h_g||^2,
                        normalises to Appendix B's y, (m + dm) N = g;    y without m, g for y, the remainder r for dm,
                        any scale of h_target (says the paper's)         dividing by m
-``check_naive_miss``   the naive patch's output minus the target,       the sign, the divisors swapped, the m term
-                       for either divisor, with the paper's guard        dropped, no division, a non-finite miss at d = 0
+``check_naive_miss``   the naive patch's miss from m, dm, h_hat - h_C    the sign, the divisors' formulas swapped, the
+                       alone, equal to output minus target              m term dropped
 ``check_error_``       04b: the formula's prediction and the measured   w for m = 1 + w, either sign flipped, the actual
 ``formula``            miss, on every layer of a tiny bfloat16 model    divisor's formula, h_hat for h_hat - h_C
 =====================  ===============================================  =================================================
@@ -924,17 +924,15 @@ def check_stable_patch(fn: Callable | None) -> Checked:
 # ------------------------------------------------------------------------------ 04: the naive patch in low precision
 def _miss_cases() -> list:
     """(dv, m, h_hat, h_C, divide_by) in float64: h_hat = h_C + a rounding-sized difference (an absolute 1e-3, so
-    relatively large where h_C is small), a few h_C far smaller than the rest, one exact zero of h_C and one of
-    h_hat, m with an exact 0 and values up to the hundreds, as on the real model; both divisors."""
+    relatively large where h_C is small), a few h_C far smaller than the rest, m with an exact 0 and values up to the
+    hundreds, as on the real model; both divisors, none of them 0."""
     cases = []
     for seed, div in ((0, "recorded"), (1, "actual"), (2, "recorded"), (3, "actual")):
         g = _gen(70 + seed)
         n = 24
         h_C = torch.randn(n, generator=g, dtype=torch.float64)
         h_C[:4] *= 1e-5                                                    # small |h_C|: a huge dm there
-        h_C[5] = 0.0
         h_hat = h_C + 1e-3 * torch.randn(n, generator=g, dtype=torch.float64)
-        h_hat[6] = 0.0
         m = 1 + 300 * torch.rand(n, generator=g, dtype=torch.float64)
         m[7] = 0.0
         dv = 10 * torch.randn(n, generator=g, dtype=torch.float64)
@@ -942,91 +940,94 @@ def _miss_cases() -> list:
     return cases
 
 
-def _miss_wrong(dv, m, h_hat, h_C, div) -> dict:
+def _direct_miss(dv, m, h_hat, h_C, div):
+    """The miss as defined: the patched output minus the target, with v = 0 (only v_C - v matters)."""
+    dm = dv / (h_C if div == "recorded" else h_hat)
+    return dm, (m + dm) * h_hat - (dv + m * h_C)
+
+
+def _miss_wrong(m, dm, dh, div) -> dict:
     other = "actual" if div == "recorded" else "recorded"
-    d = h_C if div == "recorded" else h_hat
-    dm = dv / torch.where(d == 0, torch.ones_like(d), d)
-    want = solutions.naive_miss(dv, m, h_hat, h_C, div)
     return {
-        "the sign: the miss is the patched output minus the target, v + (m + Δm) ⊙ ĥ − (v_C + m ⊙ h_C)": -want,
-        f"the divisors are swapped: with divide_by={div!r}, Δm = (v_C − v) ⊘ "
-        f"{'h_C, the recorded h' if div == 'recorded' else 'ĥ, the h the patched layer computes'}":
-            solutions.naive_miss(dv, m, h_hat, h_C, other),
+        "the sign: the miss is the patched output minus the target, v + (m + Δm) ⊙ ĥ − (v_C + m ⊙ h_C)":
+            -solutions.naive_miss(m, dm, dh, div),
+        f"the two divisors' formulas are swapped: with divide_by={div!r}, Δm ⊙ "
+        f"{'h_C' if div == 'recorded' else 'ĥ'} = v_C − v; substitute that into the miss":
+            solutions.naive_miss(m, dm, dh, other),
         "the scale m acts on the patched layer's ĥ too: the output is v + (m + Δm) ⊙ ĥ and the target v_C + m ⊙ h_C, "
-        "so m ⊙ (ĥ − h_C) is part of the miss": dm * h_hat - dv,
-        "Δm divides (v_C − v) by the chosen h (Eq. 4): Δm = (v_C − v) ⊘ h, not v_C − v itself":
-            (m + dv) * h_hat - m * h_C - dv,
+        "so m ⊙ (ĥ − h_C) is part of the miss": dm * dh,
     }
 
 
 def check_naive_miss(fn: Callable | None) -> Checked:
-    """04: ``fn(dv, m, h_hat, h_C, divide_by)`` must return, per coordinate, the naive patch's output
-    v + (m + dm) h_hat minus the target v_C + m h_C, where dm = dv / d divides by d = h_C ("recorded") or d = h_hat
-    ("actual"), and by 1 where d is exactly 0. Any algebraically equal form passes (to 1e-9 relative, float64)."""
+    """04: ``fn(m, dm, dh, divide_by)`` must return, per coordinate, the naive patch's output v + (m + dm) h_hat
+    minus the target v_C + m h_C, written with m, dm and dh = h_hat - h_C alone, where dm = (v_C - v) / h_C
+    ("recorded") or (v_C - v) / h_hat ("actual"). The check builds each case from v_C - v, m, h_hat and h_C, computes
+    the miss as defined, and compares (to 1e-9 relative, float64): only the right simplification passes."""
     cases = _miss_cases()
-    fn, own = _begin("naive_miss", fn, cases[0])
+    first = cases[0]
+    dm0, _ = _direct_miss(*first)
+    fn, own = _begin("naive_miss", fn, (first[1], dm0, first[2] - first[3], first[4]))
     worst = 0.0
     for dv, m, h_hat, h_C, div in cases:
-        out = _call(fn, (dv, m, h_hat, h_C, div), "naive_miss")
-        if not isinstance(out, torch.Tensor) or out.shape != dv.shape:
-            raise ExerciseError(f"naive_miss must return a tensor of dv's shape {tuple(dv.shape)} (the miss at every "
+        dm, want = _direct_miss(dv, m, h_hat, h_C, div)
+        dh = h_hat - h_C
+        out = _call(fn, (m, dm, dh, div), "naive_miss")
+        if not isinstance(out, torch.Tensor) or out.shape != m.shape:
+            raise ExerciseError(f"naive_miss must return a tensor of m's shape {tuple(m.shape)} (the miss at every "
                                 f"coordinate); got {getattr(out, 'shape', type(out).__name__)}")
-        out = out.double()
-        if not torch.isfinite(out).all():
-            k = int((~torch.isfinite(out)).nonzero()[0])
-            raise ExerciseError(f"the miss is not finite at coordinate {k}, where the divisor "
-                                f"{'h_C' if div == 'recorded' else 'ĥ'} is exactly 0: the naive patch divides by 1 "
-                                "there (the paper's guard, lesson 02's scale_patch)")
-        want = solutions.naive_miss(dv, m, h_hat, h_C, div)
-        err = _rel(out, want)
-        if err > 1e-9:
-            raise ExerciseError(_hint(out, _miss_wrong(dv, m, h_hat, h_C, div), 1e-9)
-                                or f"with divide_by={div!r} the miss differs from v + (m + Δm) ⊙ ĥ − (v_C + m ⊙ h_C) "
-                                   f"by {err:.2e} (relative to its largest coordinate)")
+        err = _rel(out.double(), want)
+        if not math.isfinite(err) or err > 1e-9:
+            raise ExerciseError(_hint(out.double(), _miss_wrong(m, dm, dh, div), 1e-9)
+                                or f"with divide_by={div!r} your miss differs from v + (m + Δm) ⊙ ĥ − (v_C + m ⊙ h_C) "
+                                   f"by {err:.2e} (relative to its largest coordinate). Start from that difference, "
+                                   f"write ĥ = h_C + (ĥ − h_C), and use what Δm times the divisor equals")
         worst = max(worst, err)
-    print(f"✓ naive_miss ({_whose(own)}): the patched output minus the target, for both divisors, on {len(cases)} "
-          f"cases with small and exactly-zero h (largest relative difference {worst:.1e}). Now simplify it by hand, "
-          "for each divisor, where the divisor is not 0.")
+    print(f"✓ naive_miss ({_whose(own)}): equals the patched output minus the target for both divisors, on "
+          f"{len(cases)} cases with small h_C and a zero scale (largest relative difference {worst:.1e})")
     return Checked("naive_miss", fn, own, {"cases": len(cases), "max_error": worst})
 
 
 # ------------------------------------------------------------------------ 04b: the error formula on a real layer
 def _formula_cases() -> list:
-    """(result, post-norm) of the naive patch dividing by the recorded h_C, on every layer of a tiny bfloat16
+    """(result, post-norm, divisor) of the naive patch, with either divisor, on every layer of a tiny bfloat16
     Gemma 3: its h_hat differs from h_C by bfloat16 rounding, as on the real model."""
     from .fixtures import tiny_gemma3
     from .single_block import single_block_patch
     model = tiny_gemma3(seed=1, dtype="bfloat16")
     ids = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]
-    return [(single_block_patch(model, ids, l, h_source="recorded"), model.model.layers[l].post_feedforward_layernorm)
-            for l in range(model.config.num_hidden_layers)]
+    return [(single_block_patch(model, ids, l, h_source=hs), model.model.layers[l].post_feedforward_layernorm, hs)
+            for l in range(model.config.num_hidden_layers) for hs in ("recorded", "actual")]
 
 
 def check_error_formula(fn: Callable | None) -> Checked:
-    """04b: ``fn(res, post_norm)`` must return ``(predicted, measured)``: (m + dm)(h_hat - h_C) with m = 1 + w, and
-    the patched output minus T(C, x), per coordinate, for a naive patch that divides by the recorded h_C. Any
-    arithmetic at float32 or better passes (1e-5 relative)."""
+    """04b: ``fn(res, post_norm, divide_by)`` must return ``(predicted, measured)``: the error formula of lesson 04's
+    Exercise 3, (m + dm)(h_hat - h_C) for "recorded" and m (h_hat - h_C) for "actual", with m = 1 + w, and the
+    patched output minus T(C, x), per coordinate. Any arithmetic at float32 or better passes (1e-5 relative)."""
     cases = _formula_cases()
     fn, own = _begin("error_formula", fn, cases[0])
     worst = 0.0
-    for res, post in cases:
-        out = _call(fn, (res, post), "error_formula")
+    for res, post, div in cases:
+        out = _call(fn, (res, post, div), "error_formula")
         if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
             raise ExerciseError("error_formula must return the pair (predicted, measured), two tensors")
-        want = solutions.error_formula(res, post)
+        want = solutions.error_formula(res, post, div)
         if any(t.shape != w.shape for t, w in zip(out, want)):
             raise ExerciseError(f"predicted and measured are per coordinate: shape {tuple(want[0].shape)}, "
                                 f"got {tuple(out[0].shape)} and {tuple(out[1].shape)}")
-        m, dh = 1.0 + post.weight.float(), res.h.float() - res.h_recorded.float()
+        m, dh, dm = 1.0 + post.weight.float(), res.h.float() - res.h_recorded.float(), res.dm.float()
+        factor = m + dm if div == "recorded" else m
+        other = "actual" if div == "recorded" else "recorded"
         for name, got, w, wrong in (
                 ("predicted", out[0], want[0], {
                     "m = 1 + w: the layer stores w in post_norm.weight, and its scale is 1 + w":
-                        (post.weight.float() + res.dm.float()) * dh,
+                        ((post.weight.float() + dm) if div == "recorded" else post.weight.float()) * dh,
                     "the difference is ĥ − h_C: res.h is what the patched layer computes, res.h_recorded what the "
                     "full-context pass recorded": -want[0],
-                    "m (ĥ − h_C) is the error of the *actual* divisor; res was built with h_source='recorded', so "
-                    "Δm multiplies the difference too: (m + Δm)(ĥ − h_C)": m * dh,
-                    "the formula multiplies the *difference* ĥ − h_C, not ĥ itself": (m + res.dm.float()) * res.h.float(),
+                    f"that is the formula of the other divisor ({other!r}): with divide_by={div!r} the miss is "
+                    + ("(m + Δm)(ĥ − h_C)" if div == "recorded" else "m (ĥ − h_C)"):
+                        solutions.error_formula(res, post, other)[0],
+                    "the formula multiplies the *difference* ĥ − h_C, not ĥ itself": factor * res.h.float(),
                 }),
                 ("measured", out[1], want[1], {
                     "measured is the patched output minus the target, res.out_patched − res.out_target": -want[1],
@@ -1036,9 +1037,9 @@ def check_error_formula(fn: Callable | None) -> Checked:
             err = _rel(got.double(), w.double())
             if not math.isfinite(err) or err > 1e-5:
                 raise ExerciseError(_hint(got.float(), wrong, 1e-5)
-                                    or f"{name} differs from the reference by {err:.2e} (relative) on layer {res.layer}")
+                                    or f"{name} differs from the reference by {err:.2e} (relative) on layer "
+                                       f"{res.layer}, divide_by={div!r}")
             worst = max(worst, err)
-    print(f"✓ error_formula ({_whose(own)}): the prediction (m + Δm)(ĥ − h_C) and the measured miss on all "
-          f"{len(cases)} layers of a tiny bfloat16 Gemma 3 (largest relative difference {worst:.1e})")
+    print(f"✓ error_formula ({_whose(own)}): the prediction and the measured miss, for both divisors on all "
+          f"{len(cases) // 2} layers of a tiny bfloat16 Gemma 3 (largest relative difference {worst:.1e})")
     return Checked("error_formula", fn, own, {"cases": len(cases), "max_error": worst})
-

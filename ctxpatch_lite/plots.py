@@ -310,29 +310,39 @@ def update_norms(rows: list[dict], title: str = "Update norms per variant (media
     return fig
 
 
-def error_formula(rows: list[dict], title: str = "The bfloat16 error formula, one coordinate per layer"):
-    """Predicted against measured error at one coordinate per layer (rows with ``layer``, ``predicted_k``,
-    ``measured_k``), log-log by size, with the line where they are equal; each point is coloured by its layer.
-    Sizes are drawn as they are: a zero would raise, not be clamped."""
+def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, one coordinate per layer"):
+    """Predicted against measured error at one coordinate per layer, log-log by size, with the line where they are
+    equal. ``rows`` hold ``layer``, ``predicted_k`` and ``measured_k`` (dividing by the recorded h_C: every one must
+    be nonzero, or this raises) and, optionally, ``predicted_actual_k`` and ``measured_actual_k`` (the actual
+    divisor, at the same coordinate), drawn where both are nonzero; the legend says how many. Colour: the layer."""
     pred = np.abs([r["predicted_k"] for r in rows])
     meas = np.abs([r["measured_k"] for r in rows])
     if (pred <= 0).any() or (meas <= 0).any():
         raise ValueError("error_formula draws sizes on log axes: every predicted and measured error must be nonzero")
-    fig, ax = plt.subplots(figsize=(5.8, 4.4))
-    lo, hi = min(pred.min(), meas.min()) / 2, max(pred.max(), meas.max()) * 2
+    act = [(r["layer"], abs(r["predicted_actual_k"]), abs(r["measured_actual_k"])) for r in rows
+           if "predicted_actual_k" in r]
+    shown = [a for a in act if a[1] > 0 and a[2] > 0]
+    fig, ax = plt.subplots(figsize=(6.2, 4.6))
+    values = list(pred) + list(meas) + [v for a in shown for v in a[1:]]
+    lo, hi = min(values) / 2, max(values) * 2
     ax.plot([lo, hi], [lo, hi], ":", color="0.5", label="measured = predicted")
     layers = [r["layer"] for r in rows]
-    pts = ax.scatter(pred, meas, c=layers, cmap="viridis", edgecolors="black", linewidths=0.4, s=36, zorder=3,
-                     label="one layer (colour: its index)")
+    norm = matplotlib.colors.Normalize(min(layers), max(layers))
+    pts = ax.scatter(pred, meas, c=layers, cmap="viridis", norm=norm, edgecolors="black", linewidths=0.4, s=40,
+                     zorder=3, label="recorded h_C: (m_k + Δm_k)(ĥ_k − h_C,k)")
+    if act:
+        ax.scatter([a[1] for a in shown], [a[2] for a in shown], c=[a[0] for a in shown], cmap="viridis", norm=norm,
+                   marker="s", edgecolors="black", linewidths=0.4, s=30, zorder=3,
+                   label=f"actual ĥ: m_k(ĥ_k − h_C,k) ({len(shown)} of {len(act)} layers nonzero)")
     fig.colorbar(pts, ax=ax, label="layer")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel("predicted |(m_k + Δm_k)(ĥ_k − h_C,k)|")
-    ax.set_ylabel("measured |error_k| (dividing by the recorded h_C)")
+    ax.set_xlabel("predicted |error_k|")
+    ax.set_ylabel("measured |error_k|")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig
 

@@ -126,27 +126,25 @@ def stable_patch(g: torch.Tensor, m: torch.Tensor, mu: float, h_g_C: torch.Tenso
     return dW_down, dm
 
 
-def naive_miss(dv: torch.Tensor, m: torch.Tensor, h_hat: torch.Tensor, h_C: torch.Tensor,
-               divide_by: str) -> torch.Tensor:
-    """Lesson 04, Part B: how far the naive patch's output v + (m + dm) h_hat misses the target v_C + m h_C, per
-    coordinate, when dm = (v_C - v) / d divides by ``d = h_C`` (``divide_by="recorded"``) or by ``d = h_hat``
-    (``"actual"``), with the paper's guard (1 where d is exactly 0). ``dv`` is v_C - v, so the miss is
-    (m + dm) h_hat - m h_C - dv; by hand, (m + dm)(h_hat - h_C) for "recorded" and m (h_hat - h_C) for "actual"
-    (where d != 0)."""
+def naive_miss(m: torch.Tensor, dm: torch.Tensor, dh: torch.Tensor, divide_by: str) -> torch.Tensor:
+    """Lesson 04, Exercise 3: the naive patch's output v + (m + dm) h_hat minus the target v_C + m h_C, per
+    coordinate, written with m, dm and dh = h_hat - h_C alone (where the divisor is not 0). dm = (v_C - v) / h_C
+    (``divide_by="recorded"``) gives (m + dm) dh; dm = (v_C - v) / h_hat (``"actual"``) gives m dh."""
     if divide_by not in ("recorded", "actual"):
         raise ValueError(f"divide_by must be 'recorded' or 'actual', got {divide_by!r}")
-    d = h_C if divide_by == "recorded" else h_hat
-    dm = dv / torch.where(d == 0, torch.ones_like(d), d)
-    return (m + dm) * h_hat - m * h_C - dv
+    return (m + dm) * dh if divide_by == "recorded" else m * dh
 
 
-def error_formula(res, post_norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lesson 04b, Part 1: for one layer patched alone with the naive patch dividing by the recorded h_C
-    (``single_block_patch(..., h_source="recorded")``, its result ``res``), the error formula's prediction
-    (m + dm)(h_hat - h_C) and the measured miss of the patched output against T(C, x), both per coordinate in
-    float32. ``post_norm`` is the layer's post-feed-forward RMSNorm: its scale is m = 1 + weight (Gemma stores w)."""
+def error_formula(res, post_norm, divide_by: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lesson 04b, Part 1: for one layer patched alone with the naive patch (``single_block_patch(...,
+    h_source=divide_by)``, its result ``res``), the error formula's prediction, (m + dm)(h_hat - h_C) for
+    ``"recorded"`` and m (h_hat - h_C) for ``"actual"`` (lesson 04's Exercise 3), and the measured miss of the patched
+    output against T(C, x), both per coordinate in float32. ``post_norm`` is the layer's post-feed-forward RMSNorm:
+    its scale is m = 1 + weight (Gemma stores w)."""
+    if divide_by not in ("recorded", "actual"):
+        raise ValueError(f"divide_by must be 'recorded' or 'actual', got {divide_by!r}")
     m = 1.0 + post_norm.weight.float()
-    predicted = (m + res.dm.float()) * (res.h.float() - res.h_recorded.float())
+    factor = m + res.dm.float() if divide_by == "recorded" else m
+    predicted = factor * (res.h.float() - res.h_recorded.float())
     measured = res.out_patched.float() - res.out_target.float()
     return predicted, measured
-

@@ -163,5 +163,9 @@ def test_error_formula_draws_every_layer_and_refuses_a_zero():
     assert len(xy) == 4 and (xy[:, 0] > 0).all()                 # sizes: the signs are dropped, not the points
     assert list(ax.collections[0].get_array()) == [0, 1, 2, 3]      # coloured by layer, with a colour bar
     assert len(ax.figure.axes) == 2
+    both = [r | {"predicted_actual_k": 0.1 * (l + 1) * (l != 2), "measured_actual_k": 0.1 * (l + 1)} for l, r in enumerate(rows)]
+    ax = plots.error_formula(both).axes[0]
+    assert len(ax.collections[1].get_offsets()) == 3                 # the actual divisor's zero at layer 2 is not drawn
+    assert "3 of 4 layers nonzero" in [t.get_text() for t in ax.get_legend().get_texts()][-1]
     with pytest.raises(ValueError, match="nonzero"):
         plots.error_formula(rows + [{"layer": 4, "predicted_k": 0.0, "measured_k": 1.0}])
