@@ -1009,8 +1009,9 @@ def check_error_formula(fn: Callable | None) -> Checked:
     worst = 0.0
     for res, post, div in cases:
         out = _call(fn, (res, post, div), "error_formula")
-        if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
             raise ExerciseError("error_formula must return the pair (predicted, measured), two tensors")
+        out = tuple(out)
         want = solutions.error_formula(res, post, div)
         if any(t.shape != w.shape for t, w in zip(out, want)):
             raise ExerciseError(f"predicted and measured are per coordinate: shape {tuple(want[0].shape)}, "

@@ -515,7 +515,10 @@ def test_error_formula_accepts_every_correct_answer(capsys):
         f = m + res.dm if div == "recorded" else m
         return -f * (res.h_recorded - res.h), -(res.out_target.float() - res.out_patched.float())
 
-    for fn in (sol.error_formula, in_float64, from_target_minus):
+    def as_list(res, post, div):                            # a list is a pair too
+        return list(sol.error_formula(res, post, div))
+
+    for fn in (sol.error_formula, in_float64, from_target_minus, as_list):
         c, out = accepts(ex.check_error_formula, fn, capsys)
         assert c.report["cases"] == 8 and "tiny bfloat16" in out
     c = ex.check_error_formula(stub)
