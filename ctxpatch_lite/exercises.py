@@ -1017,7 +1017,6 @@ def check_error_formula(fn: Callable | None) -> Checked:
             raise ExerciseError(f"predicted and measured are per coordinate: shape {tuple(want[0].shape)}, "
                                 f"got {tuple(out[0].shape)} and {tuple(out[1].shape)}")
         m, dh, dm = 1.0 + post.weight.float(), res.h.float() - res.h_recorded.float(), res.dm.float()
-        factor = m + dm if div == "recorded" else m
         other = "actual" if div == "recorded" else "recorded"
         for name, got, w, wrong in (
                 ("predicted", out[0], want[0], {
@@ -1028,7 +1027,8 @@ def check_error_formula(fn: Callable | None) -> Checked:
                     f"that is the formula of the other divisor ({other!r}): with divide_by={div!r} the miss is "
                     + ("(m + Δm)(ĥ − h_C)" if div == "recorded" else "m (ĥ − h_C)"):
                         solutions.error_formula(res, post, other)[0],
-                    "the formula multiplies the *difference* ĥ − h_C, not ĥ itself": factor * res.h.float(),
+                    "the formula multiplies the *difference* ĥ − h_C, not ĥ itself":
+                        solutions.naive_miss(m, dm, res.h.float(), div),
                 }),
                 ("measured", out[1], want[1], {
                     "measured is the patched output minus the target, res.out_patched − res.out_target": -want[1],

@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     if args.only:
         notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in args.only)]
     if not notebooks:
-        print(f"error: no notebooks (NN_name.ipynb, or NNa_name.ipynb for a lesson's companion) found in {nb_dir.resolve()}; run from a clone of the repository "
+        print(f"error: no notebooks (NN_name.ipynb, or NNb_name.ipynb for a lesson's companion) found in {nb_dir.resolve()}; run from a clone of the repository "
               f"or pass --notebooks DIR (the notebooks are not part of the installed package)", file=sys.stderr)
         return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")

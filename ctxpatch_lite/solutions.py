@@ -141,10 +141,7 @@ def error_formula(res, post_norm, divide_by: str) -> tuple[torch.Tensor, torch.T
     ``"recorded"`` and m (h_hat - h_C) for ``"actual"`` (lesson 04's Exercise 3), and the measured miss of the patched
     output against T(C, x), both per coordinate in float32. ``post_norm`` is the layer's post-feed-forward RMSNorm:
     its scale is m = 1 + weight (Gemma stores w)."""
-    if divide_by not in ("recorded", "actual"):
-        raise ValueError(f"divide_by must be 'recorded' or 'actual', got {divide_by!r}")
-    m = 1.0 + post_norm.weight.float()
-    factor = m + res.dm.float() if divide_by == "recorded" else m
-    predicted = factor * (res.h.float() - res.h_recorded.float())
+    predicted = naive_miss(1.0 + post_norm.weight.float(), res.dm.float(), res.h.float() - res.h_recorded.float(),
+                           divide_by)
     measured = res.out_patched.float() - res.out_target.float()
     return predicted, measured

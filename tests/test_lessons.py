@@ -20,7 +20,7 @@ def test_both_divisors_are_exact_in_float64(tiny64, layer):
 
 
 def test_recorded_divisor_error_is_m_plus_dm_times_the_h_difference():
-    """Lesson 04, deep dive 1: dividing by the recorded h_C, the patched layer misses T(C, x) by (m + dm) * (h_hat - h_C),
+    """Lesson 04b, Part 1: dividing by the recorded h_C, the patched layer misses T(C, x) by (m + dm) * (h_hat - h_C),
     up to the bfloat16 rounding of the output; dividing by the actual h_hat, by m * (h_hat - h_C)."""
     model = tiny_gemma3(seed=1, dtype="bfloat16")
     checked = 0
