@@ -59,6 +59,14 @@ def ulp(magnitude: float, dtype: str) -> float:
     return 2.0 ** (math.floor(math.log2(x)) - MANTISSA_BITS[dtype])
 
 
+def ulps(values, dtype: str):
+    """``ulp`` of every element of a tensor, as a float32 tensor of its shape (0 where the value is 0)."""
+    import torch
+    x = values.float()
+    step = torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 1 - MANTISSA_BITS[dtype])
+    return torch.where(x == 0, torch.zeros_like(step), step)
+
+
 # --- distances of whole runs ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -421,12 +429,15 @@ def _init():
         "near-zero": Rule("abs", {"float64": 1e-12, "float32": 5e-6, "bfloat16": 0.05},
                           why="a value near 0 computed from values of order one (min |h_i|): rounding moves it by "
                               "about their ulp, not by its own (measured float32: 1.7e-6)"),
-        "divided-by-near-zero": Rule("factor", 2.0,
+        "divided-by-near-zero": Rule("factor", 8.0,
                                      why="a size that divides by the smallest |h_i| (||dm|| = ||dv / h||), which is "
-                                         "itself at rounding level: promised to a factor 2 (measured 1.56)"),
-        "chaotic": Rule("factor", 10.0,
-                        why="rounding amplified without correction (the ideal schedule: dm ~ 1e6 times a rounding "
-                            "difference, layer after layer): promised to an order of magnitude (measured 7.4)"),
+                                         "itself at rounding level: promised to a factor 8 (measured 1.56 between two "
+                                         "paths of one machine, 3.7 between an AVX-512 and an AVX2 machine)"),
+        "chaotic": Rule("factor", 100.0,
+                        why="rounding amplified without correction (the ideal and fixed schedules: dm ~ 1e6 times a "
+                            "rounding difference, layer after layer; which coordinates carry the largest products is "
+                            "decided by last bits): promised to two orders of magnitude (measured: a factor 26 "
+                            "between an AVX-512 and an AVX2 machine, 7.4 between two paths of one machine)"),
         "timing": Rule("any", why="seconds depend on the machine and its load"),
     })
 

@@ -720,9 +720,11 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
         block_worst, logit_worst = max(block_worst, block_rel), max(logit_worst, rel)
     print(f"✓ algorithm1 ({_whose(own)}): {len(cases)} prompts on a {L}-layer Gemma 3 (float64): every layer patched "
           f"from the actual output of the patched layer below; each block's output within {block_worst:.1e} of its "
-          f"full-context output and the logits within {logit_worst:.1e} of the full-context logits (relative, the "
-          f"largest over the prompts; the logits pass through transformers' final norm, which computes in float32, so "
-          f"a difference below float32's resolution does not reach them: 0 here means equal to float32 resolution)")
+          f"full-context output (relative, the largest over the prompts), and the logits "
+          + ("identical to the full-context logits" if logit_worst == 0 else
+             f"within {logit_worst:.1e} of the full-context logits (relative)")
+          + " (they pass through transformers' final norm, which computes in float32 even in a float64 model, so "
+          "differences as small as the blocks' are rounded away before the logits)")
     if moved:
         print("  note: you ran the query at another position than its own, len(ids) - 1. For one token alone that "
               "changes nothing: its attention has a single key, whose softmax weight is 1 whatever RoPE does to q and "

@@ -237,16 +237,17 @@ def _host(x) -> np.ndarray:
 
 
 def h_histogram(abs_h, n_zero: int, title: str = ""):
-    """Histogram of |h_i| (log10) over layers and tokens; the count of exact zeros (fallbacks) in the title."""
+    """Histogram of |h_C,i| (log10), the full-context pass's normed MLP outputs over layers and tokens; the count of
+    exact zeros (where the naive scale patch would fall back) in the title."""
     fig, ax = plt.subplots(figsize=(7, 3.4))
     vals = _host(abs_h)
     pos = vals[vals > 0]
     ax.hist(np.log10(pos), bins=80, color="#4c72b0")
     ax.set_yscale("log")                      # the point is the tail of tiny |h_i|: a few values among millions
-    ax.set_xlabel("log10 |h_i|   (h = N(W_down h_g), the kind of vector Δm divides by)")
+    ax.set_xlabel("log10 |h_C,i|   (h_C = N(W_down h_g) of the full-context pass: what Δm divides by)")
     ax.set_ylabel("count (log scale)")
-    ax.set_title(title or f"{vals.size:,} values; exact zeros: {n_zero}; "
-                          f"min |h| = {pos.min():.2e}")
+    ax.set_title(title or f"{vals.size:,} values of |h_C,i|; exact zeros: {n_zero}; "
+                          f"min |h_C,i| = {pos.min():.2e}")
     fig.tight_layout()
     return fig
 

@@ -39,6 +39,7 @@ class SingleBlockResult:
     fallbacks: int
     min_abs_h: float
     hard_case: bool = False       # the stable variant only: Appendix B's secular function had no root (the hard case)
+    down: Rank1 | None = None     # stable only: Appendix B's rank-1 dW_down, u = h_target - W_down h_g, z = h_g (one row each)
 
     @property
     def singular_values(self) -> dict:
@@ -54,6 +55,14 @@ class SingleBlockResult:
     def dW_up(self) -> torch.Tensor:
         return self.up.dense()
 
+
+
+class _PassDone(Exception):
+    """Raised by the forward hook that ends a one-layer pass after the patched layer (caught in the same call)."""
+
+
+def _stop_pass(module, args, out):
+    raise _PassDone
 
 
 @torch.no_grad()
@@ -91,8 +100,12 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
                      P.mlp.register_forward_pre_hook(lambda m, a: got.__setitem__("z", a[0][0, -1].clone())),
                      P.output.register_forward_pre_hook(
                          lambda m, a: got.__setitem__("h", ad.normalize(a[0][0, -1], P.output).clone()))]
+            # the layers above this one cannot change what it computes: stop the pass once its output is recorded
+            extra.append(P.layer.register_forward_hook(_stop_pass))
             try:
                 model.base_model(input_ids=q, position_ids=pos, use_cache=False)   # the head is not needed
+            except _PassDone:
+                pass
             finally:
                 for h in extra:
                     h.remove()
@@ -108,7 +121,8 @@ def single_block_patch(model, input_ids, layer: int, apply: str = "factored",
         h_recorded=ad.normalize(T.mlp_out, P.output), gate=p.gate, up=p.up,
         dm=None if p.dm is None else p.dm[0], out_target=out_t, out_patched=out_p, out_unpatched=out_u,
         rel_error=relative_error(out_p, out_t), unpatched_rel_error=relative_error(out_u, out_t),
-        fallbacks=d.fallbacks, min_abs_h=d.min_abs_h, hard_case=d.hard_case)
+        fallbacks=d.fallbacks, min_abs_h=d.min_abs_h, hard_case=d.hard_case,
+        down=p.down)
 
 
 @torch.no_grad()

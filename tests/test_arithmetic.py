@@ -161,6 +161,15 @@ def test_ulp():
     assert ar.ulp(1.0, "float32") == 2.0 ** -23
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_ulps_is_ulp_elementwise(dtype):
+    import torch
+    x = torch.tensor([20.0, -32.0, 0.0474, 1.0, -0.99, 3e-5, 0.0])
+    got = ar.ulps(x, dtype)
+    want = [0.0 if v == 0 else ar.ulp(float(v), dtype) for v in x]
+    assert got.tolist() == want
+
+
 def test_the_most_specific_rule_wins_over_a_wildcard_of_the_same_length():
     from ctxpatch_lite.arithmetic import rule_for
     rules = {"a.*.b": "rounding", "a.1.b": {"kind": "any", "why": "a layer whose size is arbitrary"}}

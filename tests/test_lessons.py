@@ -93,3 +93,25 @@ def test_single_block_reports_the_hard_case():
     assert not single_block_patch(model, CONTEXT_IDS, 1).hard_case
     st = single_block_patch(model, CONTEXT_IDS, 1, variant="stable")
     assert isinstance(st.hard_case, bool) and st.rel_error <= 1e-10
+
+
+@pytest.mark.parametrize("variant", ["naive", "stable"])
+def test_single_block_pass_stops_at_its_layer_bit_for_bit(monkeypatch, variant):
+    """``single_block_patch`` ends its two query passes after the patched layer (the layers above cannot change it):
+    every tensor it returns equals what the full pass gives, bit for bit, in bfloat16; the stable variant also returns
+    its rank-1 W_down patch, with u = h_target - W_down h_g."""
+    import ctxpatch_lite.single_block as sb
+    model = tiny_gemma3(seed=1, dtype="bfloat16")
+    for layer in (0, 2):
+        short = single_block_patch(model, CONTEXT_IDS, layer, variant=variant)
+        with monkeypatch.context() as mp:
+            mp.setattr(sb, "_stop_pass", lambda *a: None)          # the old behaviour: all layers run
+            full = single_block_patch(model, CONTEXT_IDS, layer, variant=variant)
+        for name in ("v", "z", "h", "h_recorded", "dm", "out_target", "out_patched", "out_unpatched"):
+            assert torch.equal(getattr(short, name), getattr(full, name)), (layer, name)
+        assert (short.rel_error, short.fallbacks, short.hard_case) == (full.rel_error, full.fallbacks, full.hard_case)
+        if variant == "stable":
+            assert torch.equal(short.down.u, full.down.u) and torch.equal(short.down.z, full.down.z)
+            assert short.down.u.shape[-1] == model.config.hidden_size
+        else:
+            assert short.down is None
