@@ -466,8 +466,8 @@ def check_scale_patch(fn: Callable | None) -> Checked:
             bad = ((lhs - rhs).abs() > 1e-12 * rhs[nz].abs().max()) & nz
             if hint is None and bool((bad & tiny).any()):
                 hint = (f"wrong only where h_i is tiny but not 0 (h = {float(h[tiny][0]):.0e} here): divide by h itself, "
-                        "not by h + eps or a clamped h. There Δm_i must be huge (the real model has |h_i| down to "
-                        "2e-7); guard only the exact zeros (torch.where(h == 0, 1, h)).")
+                        "not by h + eps or a clamped h. There Δm_i must be huge (the real model has |h_i| of a "
+                        "few 1e-7, lesson 02 shows them); guard only the exact zeros (torch.where(h == 0, 1, h)).")
             if hint is None and err < 1e-6:
                 hint = (f"close but not exact (relative error {err:.1e}; the cases are float64, so the check asks for "
                         "1e-12): is there an epsilon added to h, or a computation in float32? Divide by h itself and "

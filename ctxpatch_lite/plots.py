@@ -244,7 +244,7 @@ def h_histogram(abs_h, n_zero: int, title: str = ""):
     pos = vals[vals > 0]
     ax.hist(np.log10(pos), bins=80, color="#4c72b0")
     ax.set_yscale("log")                      # the point is the tail of tiny |h_i|: a few values among millions
-    ax.set_xlabel("log10 |h_C,i|   (h_C = N(W_down h_g) of the full-context pass: what Δm divides by)")
+    ax.set_xlabel("log10 |h_C,i|   (full-context h_C = N(W_down h_g); the patched h equals it up to rounding)")
     ax.set_ylabel("count (log scale)")
     ax.set_title(title or f"{vals.size:,} values of |h_C,i|; exact zeros: {n_zero}; "
                           f"min |h_C,i| = {pos.min():.2e}")
