@@ -687,7 +687,11 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
                 raise ExerciseError(f"call {k} of theorem1_block got the block of another layer: patch layer {k} with "
                                     f"its own block (for layer, block in enumerate(tools.blocks(model))), in order")
             if not torch.equal(c.target.v_C, targets[k].v_C):
-                raise ExerciseError(f"layer {k} was patched against another layer's targets: pass targets[{k}]")
+                if any(t.v_C.shape == c.target.v_C.shape and torch.equal(c.target.v_C, t.v_C) for t in targets):
+                    raise ExerciseError(f"layer {k} was patched against another layer's targets: pass targets[{k}]")
+                raise ExerciseError(f"layer {k} was patched against targets that are no layer's full-context targets: "
+                                    "record them once with tools.full_context_targets(model, ids) on the whole prompt "
+                                    "(context and query); targets recorded from the query alone hold no context")
             if k == 0:
                 if not torch.equal(c.x, x0):
                     raise ExerciseError("layer 0 must get the query token's embedding alone "

@@ -284,6 +284,14 @@ def test_algorithm1_wrong_answers():
     rejects(ex.check_algorithm1, no_patch, "never called")
     rejects(ex.check_algorithm1, wrong_targets, "another layer's targets")
 
+    def query_alone_targets(model, ids, tools):
+        targets, x = tools.full_context_targets(model, ids[-1:]), tools.query_embedding(model, ids)
+        for l, b in enumerate(tools.blocks(model)):
+            x = tools.theorem1_block(b, x, len(ids) - 1, targets[l])
+        return tools.logits(model, x)
+
+    rejects(ex.check_algorithm1, query_alone_targets, "from the query alone hold no context")
+
 
 def test_from_scratch_full_context_is_the_real_model():
     """The pieces of the loop are the real model: the from-scratch full-context logits equal transformers' up to
