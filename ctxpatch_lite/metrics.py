@@ -29,7 +29,13 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def average_ranks(x: torch.Tensor) -> torch.Tensor:
     """Ranks 0..n-1 along the last axis, tied values sharing their mean rank (float64); fixed-size tensor
-    operations only, so it runs on the logits' device without asking the host anything."""
+    operations only, so it runs on the logits' device without asking the host anything.
+
+    A 16-bit float (bfloat16, float16: the logits of a low-precision model) has at most 65,536 values, so its ranks
+    come from counting instead of sorting (``_counted_ranks``, the same float64 ranks, ~10x faster over a 262k
+    vocabulary); any other dtype is sorted."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return _counted_ranks(x)
     n = x.shape[-1]
     sorted_vals, order = torch.sort(x, dim=-1)
     idx = torch.arange(n, device=x.device).expand_as(sorted_vals)
@@ -44,6 +50,29 @@ def average_ranks(x: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
+def _order_keys16(x: torch.Tensor) -> torch.Tensor:
+    """0..65535 keys of a 16-bit float tensor, in the order of its values: equal values (+0 and -0 too) share a
+    key. A NaN (magnitude bits above infinity's) gets the top key, above +inf: NaNs tie with each other, where the
+    sort gives them distinct ranks at the top (no finite logit is affected)."""
+    bits = x.contiguous().view(torch.int16).to(torch.int32)
+    mag = bits & 0x7FFF
+    inf = 0x7F80 if x.dtype == torch.bfloat16 else 0x7C00
+    key = torch.where(bits < 0, -mag, mag) + 0x7FFF                      # -max..+max -> 0..65534; both zeros tie
+    return torch.where(mag > inf, torch.full_like(key, 0xFFFF), key).to(torch.int64)
+
+
+def _counted_ranks(x: torch.Tensor) -> torch.Tensor:
+    """``average_ranks`` of a 16-bit float tensor by counting: a value with ``less`` smaller entries and ``count``
+    equal ones has the 0-based ranks less .. less + count - 1, whose mean is (2 less + count - 1) / 2 -- the same
+    float64 number the sort path computes as (start + end) / 2."""
+    key = _order_keys16(x.reshape(-1, x.shape[-1]))
+    counts = torch.zeros(key.shape[0], 1 << 16, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(1, key, torch.ones_like(key))
+    less = counts.cumsum(1) - counts
+    ranks = (2 * less.gather(1, key) + counts.gather(1, key) - 1).to(torch.float64) / 2.0
+    return ranks.reshape(x.shape)
+
+
 def _spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ra, rb = average_ranks(a), average_ranks(b)
     ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
@@ -52,7 +81,8 @@ def _spearman_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(_spearman_rows(a.to(torch.float64), b.to(torch.float64)))
+    """Spearman's rank correlation of two vectors (ranks in their own dtype: the same as in float64)."""
+    return float(_spearman_rows(a, b))
 
 
 METRIC_KEYS = ("baseline_token", "patched_token", "linf", "tvd", "rank_corr", "top1_diff", "margin", "logit_scale")
@@ -69,7 +99,7 @@ def _metric_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor
     top = bt.unsqueeze(-1)
     two = p64.topk(min(2, p64.shape[-1]), dim=-1).values
     return torch.stack([bt.to(torch.float64), pt.to(torch.float64), (p64 - q64).abs().amax(-1),
-                        0.5 * (p - q).abs().sum(-1), _spearman_rows(p64, q64),
+                        0.5 * (p - q).abs().sum(-1), _spearman_rows(p_logits, q_logits),
                         (p.gather(-1, top) - q.gather(-1, top)).squeeze(-1), two[:, 0] - two[:, -1],
                         p64.abs().amax(-1)], -1)
 

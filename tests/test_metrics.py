@@ -32,6 +32,25 @@ def test_average_ranks_ties():
     assert math.isnan(spearman(torch.ones(3), torch.tensor([1.0, 2.0, 3.0])))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_counted_ranks_equal_the_sorted_ones(dtype):
+    """16-bit logits are ranked by counting: the same float64 ranks as sorting their float64 values, ties, both
+    zeros and both infinities included, and so the same rank correlation bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    for scale in (0.01, 1.0, 40.0):
+        x = (torch.randn(3, 4000, generator=g) * scale).to(dtype)
+        x[0, :10], x[0, 10:20] = 0.0, -0.0
+        x[1, :5], x[1, 5:9] = float("inf"), -float("inf")
+        x[2, :300] = x[2, 300:600]                                         # many ties
+        counted = average_ranks(x)
+        assert counted.dtype == torch.float64
+        assert torch.equal(counted, average_ranks(x.double()))
+        y = (x.double() + torch.randn(3, 4000, generator=g, dtype=torch.float64) * scale / 10).to(dtype)
+        for i in range(3):
+            assert spearman(x[i], y[i]) == spearman(x[i].double(), y[i].double())
+    assert average_ranks(torch.tensor([2.0, -1.0, 2.0, 0.5], dtype=dtype)).tolist() == [2.5, 0.0, 2.5, 1.0]
+
+
 def test_aggregate_counts():
     steps = [{"match": True, "linf": 1.0, "tvd": 0.1, "rank_corr": 1.0, "top1_diff": 0.0},
              {"match": False, "linf": 3.0, "tvd": 0.3, "rank_corr": 0.5, "top1_diff": 0.2}]
