@@ -253,13 +253,18 @@ class Algorithm1:
         return logits[0], pp
 
     @torch.no_grad()
-    def batched(self, seq_ids, positions):
+    def batched(self, seq_ids, positions, full: dict | None = None):
         """Teacher-forced Algorithm 1 for many queries at once (the paper's protocol with the history known).
 
         One full-context forward over ``seq_ids`` records the targets and the baseline logits at ``positions``;
         the query-alone pass runs the N query tokens ``seq_ids[positions]`` as N independent one-token sequences,
         each row patched with its own patches, computed inside that same pass (factored). Returns (baseline logits
         (N, V), patched logits (N, V), PatchedPass, targets).
+
+        ``full``: a dict shared by batched runs of the same model on the same ``seq_ids`` and ``positions`` (e.g. the
+        configurations of one comparison, which differ only in the query-alone pass). Empty, it receives this run's
+        full-context pass (the baseline logits and the targets); filled, that pass is taken from it instead of run
+        again, and the output head multiplies the N patched rows alone.
         """
         if self.config.schedule == "fixed":
             raise ValueError("the fixed schedule reuses the first token's patches step after step; run it step by step")
@@ -271,6 +276,15 @@ class Algorithm1:
         n = ids.shape[1]
         if pos.numel() == 0 or not all(0 <= int(p) < n for p in positions):
             raise ValueError(f"positions must lie in 0..{n - 1}")
+        key = (tuple(int(i) for i in seq_ids), tuple(int(p) for p in positions), self.media is not None)
+        if full and full.get("key") != key:
+            raise ValueError("full holds the full-context pass of another sequence or other positions: share it only "
+                             "between runs of the same prompt, baseline tokens and number of steps")
+        if full:
+            base, targets = full["base"], full["targets"]
+            h_query, pp = self._schedule(ids[0, pos].reshape(-1, 1), pos.reshape(-1, 1), targets, hidden=True)
+            with self.norms():
+                return base, self.head(h_query), pp, targets
         # Both passes stop at the final hidden rows; one output-head product over all 2N rows then gives the
         # baseline and the patched logits (one large matrix product streams the head's weights once).
         with self.norms(), Recorder(self.adapter, pos) as rec:
@@ -280,6 +294,8 @@ class Algorithm1:
         h_query, pp = self._schedule(ids[0, pos].reshape(-1, 1), pos.reshape(-1, 1), targets, hidden=True)
         with self.norms():
             logits = self.head(torch.cat([h_full, h_query]))
+        if full is not None:
+            full.update(key=key, base=logits[: len(pos)], targets=targets)
         return logits[: len(pos)], logits[len(pos):], pp, targets
 
 

@@ -26,7 +26,8 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
                  progress: bool = False, configurations=CONFIGURATIONS) -> list[dict]:
     """One row per configuration (``(variant, h_source)`` pairs of ``CONFIGURATIONS``, all of them unless
     ``configurations`` names fewer, in that order): the protocol on every prompt, all judged on the same greedy
-    baseline tokens (the default configuration's run supplies them, and gives its row only if it is asked for).
+    baseline tokens and baseline logits (the default configuration's run supplies them and its full-context pass,
+    which the other configurations share; it gives its row only if it is asked for).
 
     A row holds the token count (``n_match`` of ``n_tokens``), the lost tokens (``lost``: prompt id, step, and the
     baseline's top-2 margin in steps of the model's dtype), ``lost_wide`` (those whose margin was above 2 steps, so
@@ -34,7 +35,9 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
     and those on coordinates whose scale ``m_k`` is 0), the Appendix B hard cases, the largest norm one token's
     fallbacks left out (``miss``), the zero-scale coordinates inside hard cases (``m0_hard``, from
     ``zero_scales``: layer -> count of ``m_k == 0``), and the median over steps of the patches' norms
-    (``dm_norm``, ``matrix_norm``, and their root-sum-square ``total_norm``), each norm taken over all layers.
+    (``dm_norm``, ``matrix_norm``, and their root-sum-square ``total_norm``), each norm taken over all layers; and ``steps``, one record per prompt and step in that order
+    (its token match, L_inf, the baseline's margin in steps as in ``lost``, and each layer's ``block_error``), so that
+    a lesson can take one step apart without running it again.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be at least 1 (got {tokens})")
@@ -52,9 +55,9 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
                                             batched=True, **kw)
     extra = [c for c in configurations if c != ("naive", "actual")]
     bar = tqdm(total=(1 + len(extra)) * len(prompts), desc="configurations x prompts", disable=not progress)
-    greedy = []
-    for p in prompts:
-        greedy.append(run(p, PatchConfig()))
+    greedy, full = [], [{} for _ in prompts]     # per prompt: the default run, and its full-context pass to share
+    for p, fc in zip(prompts, full):
+        greedy.append(run(p, PatchConfig(), full_context=fc))
         bar.update()
     rows = []
     for var, hs in configurations:
@@ -62,8 +65,8 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
             rs = greedy
         else:
             rs = []
-            for p, g in zip(prompts, greedy):
-                rs.append(run(p, PatchConfig(variant=var, h_source=hs), greedy=g["generated_ids"]))
+            for p, g, fc in zip(prompts, greedy, full):
+                rs.append(run(p, PatchConfig(variant=var, h_source=hs), greedy=g["generated_ids"], full_context=fc))
                 bar.update()
         steps = [s for r in rs for s in r["steps"]]
         d = [s["diagnostics"] for s in steps]
@@ -78,6 +81,9 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
             "m0_hard": sum(zero_scales.get(l, 0) for x in d
                            for l, hc in zip(x["per_layer"]["layer"], x["per_layer"]["hard_case"]) if hc),
             "dm_norm": med([x["dm_norm"] for x in d]), "matrix_norm": med([x["matrix_norm"] for x in d]),
-            "total_norm": med([math.hypot(x["matrix_norm"], x["dm_norm"]) for x in d])})
+            "total_norm": med([math.hypot(x["matrix_norm"], x["dm_norm"]) for x in d]),
+            "steps": [{"prompt": p["id"], "step": st["step"], "match": st["match"], "linf": st["linf"],
+                       "ulps": margin_in_ulps(st, dtype), "block_error": list(st["diagnostics"]["per_layer"]["block_error"])}
+                      for p, r in zip(prompts, rs) for st in r["steps"]]})
     bar.close()
     return rows

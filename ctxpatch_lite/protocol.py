@@ -163,7 +163,8 @@ def summarize(steps: list[dict]) -> dict:
 def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int = 20,
                  config: PatchConfig | None = None, prompt_ids: list[int] | None = None, chat_template: bool = False,
                  progress: bool = True, desc: str | None = None, batched: bool = False,
-                 forcing: str = "baseline", images: list | None = None, greedy: list[int] | None = None) -> dict:
+                 forcing: str = "baseline", images: list | None = None, greedy: list[int] | None = None,
+                 full_context: dict | None = None) -> dict:
     """Run the paper's per-token protocol; return a JSON-ready record with per-step metrics and diagnostics.
 
     ``batched=True`` (teacher-forced): generate the baseline's greedy tokens first (KV-cached), then compute every
@@ -183,6 +184,10 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     ``greedy`` (batched path only): the baseline's greedy continuation, when it is already known, e.g. the
     ``generated_ids`` of another run of the same model, prompt and dtype; its first ``n_tokens`` tokens are used and
     the decode that would find them is skipped.
+
+    ``full_context`` (batched path only): a dict shared by runs of the same model, prompt, ``greedy`` tokens and
+    ``n_tokens`` under different configurations; the first run stores its full-context pass there (baseline logits
+    and targets), the others reuse it (``Algorithm1.batched``).
     """
     if forcing not in FORCING:
         raise ValueError(f"unknown forcing {forcing!r}; choose one of: {', '.join(FORCING)}")
@@ -205,6 +210,8 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
         raise PromptError("prompt_ids needs at least 2 tokens (a context and a query)")
     if not isinstance(n_tokens, int) or n_tokens < 1:
         raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
+    if full_context is not None and not batched:
+        raise ValueError("full_context shares the batched path's full-context pass between runs: pass batched=True")
     if greedy is not None and (not batched or len(greedy) < n_tokens):
         raise ValueError("greedy gives the baseline's known greedy tokens to the batched path: pass batched=True and at "
                          f"least n_tokens = {n_tokens} tokens (got {len(greedy)})")
@@ -216,7 +223,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
     with exact_float32(alg.adapter.dtype != torch.bfloat16):   # TF32 off for float32/float64 runs, then restored
         flags = precision_flags()
         if batched:
-            steps = _batched_steps(alg, ids, n_tokens, tokenizer, progress, desc, greedy)
+            steps = _batched_steps(alg, ids, n_tokens, tokenizer, progress, desc, greedy, full_context)
         else:
             steps = _loop_steps(alg, ids, n_tokens, tokenizer, progress, desc, free=forcing == "patched")
         free = None
@@ -288,7 +295,8 @@ def _loop_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc
     return steps
 
 
-def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc, greedy=None) -> list[StepRecord]:
+def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, desc, greedy=None,
+                   full=None) -> list[StepRecord]:
     """Teacher-forced: baseline tokens first, then all targets and all patched passes in one batch each.
 
     The history follows the KV-cached greedy tokens (``next_token``). The compared baseline logits come from
@@ -299,7 +307,7 @@ def _batched_steps(alg: Algorithm1, prompt_ids, n_tokens, tokenizer, progress, d
                                                                                           n_tokens, alg.media)
     seq = list(prompt_ids) + gen[:-1]
     positions = list(range(len(prompt_ids) - 1, len(seq)))
-    base, patched, record, _ = alg.batched(seq, positions)
+    base, patched, record, _ = alg.batched(seq, positions, full)
     layers = sorted(record.patches)
     diag = diag_rows(record.patches, len(positions))
     metrics = compare_rows(base, patched)          # every row's metrics in one host transfer

@@ -60,6 +60,10 @@ def test_variant_runs_rows_on_a_tiny_model(tiny32):
         assert r["dm_norm"] > 0 and r["matrix_norm"] > 0 and r["total_norm"] >= r["dm_norm"]
         assert len(r["lost"]) == r["n_tokens"] - r["n_match"] and r["lost_wide"] <= len(r["lost"])
         assert all(x["prompt"] in ("a", "b") and 0 <= x["step"] < 3 and x["ulps"] >= 0 for x in r["lost"])
+    for r in rows:                                            # one record per prompt and step, in the tvd's order
+        assert [(x["prompt"], x["step"]) for x in r["steps"]] == [(p, i) for p in ("a", "b") for i in range(3)]
+        assert sum(x["match"] for x in r["steps"]) == r["n_match"]
+        assert all(len(x["block_error"]) == tiny32.config.num_hidden_layers for x in r["steps"])
     assert rows[0]["n_match"] == 6                            # float32 naive/actual keeps its own greedy tokens
     assert all(r["hard_cases"] == 0 for r in rows[:2])        # the naive variant never solves Appendix B
 
@@ -115,3 +119,36 @@ def test_single_block_pass_stops_at_its_layer_bit_for_bit(monkeypatch, variant):
             assert short.down.u.shape[-1] == model.config.hidden_size
         else:
             assert short.down is None
+
+
+def test_variant_runs_share_the_full_context_pass(tiny64):
+    """The configurations after the first reuse its full-context pass (baseline logits and targets): each row is
+    what a run of its own gives, to float64 rounding (the output head then multiplies N rows instead of 2N)."""
+    import ctxpatch_lite as cp
+    from ctxpatch_lite.algorithm import PatchConfig
+    tok = tiny_tokenizer()
+    prompts = [{"id": "a", "text": "The cat sat on"}]
+    rows = {r["label"]: r for r in variant_runs(tiny64, tok, prompts, 3)}
+    greedy = cp.run_protocol(tiny64, tok, prompts[0]["text"], 3, PatchConfig(), progress=False, batched=True)
+    for var, hs in CONFIGURATIONS[1:]:
+        own = cp.run_protocol(tiny64, tok, prompts[0]["text"], 3, PatchConfig(variant=var, h_source=hs),
+                              progress=False, batched=True, greedy=greedy["generated_ids"])
+        row = rows[f"float64-{var}/{hs}"]
+        assert row["n_match"] == own["summary"]["n_match"]
+        assert row["tvd"] == pytest.approx([s["tvd"] for s in own["steps"]], rel=1e-6, abs=1e-13)
+        assert [x["linf"] for x in row["steps"]] == pytest.approx([s["linf"] for s in own["steps"]], rel=1e-6,
+                                                                   abs=1e-12)
+
+
+def test_full_context_is_shared_only_where_it_belongs(tiny32):
+    import ctxpatch_lite as cp
+    from ctxpatch_lite.algorithm import PatchConfig
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match="pass batched=True"):
+        cp.run_protocol(tiny32, tok, "The cat sat on", 2, PatchConfig(), progress=False, full_context={})
+    fc = {}
+    cp.run_protocol(tiny32, tok, "The cat sat on", 2, PatchConfig(), progress=False, batched=True, full_context=fc)
+    assert set(fc) == {"key", "base", "targets"}
+    with pytest.raises(ValueError, match="another sequence or other positions"):
+        cp.run_protocol(tiny32, tok, "One two three", 2, PatchConfig(), progress=False, batched=True,
+                        full_context=fc)
