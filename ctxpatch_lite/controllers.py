@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .hooks import rows
-from .patches import Rank1, input_patch, safe_divide, z_zero_message, zero_rows
+from .patches import Rank1, in_patch_dtype, input_patch, safe_divide, z_zero_message, zero_rows
 from .stable import invert_rows
 
 
@@ -139,7 +139,7 @@ class ScaleOutput:
         if s.spec.h_source == "actual":
             h_gated = hg.to(pd)
             bias = getattr(P.down, "bias", None)
-            h_down = F.linear(h_gated, ad.weight_oi(P.down).to(pd), None if bias is None else bias.to(pd))
+            h_down = F.linear(h_gated, in_patch_dtype(ad.weight_oi(P.down), pd), None if bias is None else bias.to(pd))
         else:
             h_gated, h_down = s.T.hidden.to(pd), s.T.mlp_out.to(pd)
         m = ad.scale(P.output).to(pd)

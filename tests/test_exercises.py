@@ -25,6 +25,8 @@ def rejects(check, fn, *words, **kw):
 
 
 def accepts(check, fn, capsys, **kw):
+    if getattr(fn, "__module__", None) == sol.__name__:    # the package's own function is never called the learner's;
+        fn = (lambda f: lambda *a, **k: f(*a, **k))(fn)      # a learner's function that computes the same is
     c = check(fn, **kw)
     out = capsys.readouterr().out
     assert c.own and out.startswith("✓") and "(yours)" in out, out
@@ -38,6 +40,26 @@ def test_a_stub_runs_the_solution_and_says_so(name, capsys):
     assert not c.own and c.fn is getattr(sol, name) and c.report["own"] is False
     assert f"{name} is not written yet" in out and f"ctxpatch_lite.solutions.{name}" in out and "✓" in out
     assert "(the solution)" in out
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root"])
+def test_a_check_run_twice_never_calls_the_solution_yours(name, capsys):
+    """Running a check cell again feeds it its own result: after a stub, that is still the package's solution."""
+    check = getattr(ex, f"check_{name}")
+    first = check(stub)
+    again = check(first)
+    out = capsys.readouterr().out
+    assert not again.own and again.fn is getattr(sol, name) and "(yours)" not in out
+    assert not check(getattr(sol, name)).own                       # the solution imported by name, too
+    assert "not yours" in capsys.readouterr().out
+
+
+def test_a_check_run_twice_keeps_the_learners_own(capsys):
+    def mine(x, w, eps):
+        return sol.rms_norm(x, w, eps)
+    first = ex.check_rms_norm(mine)
+    again = ex.check_rms_norm(first)
+    assert first.own and again.own and again.fn is mine
 
 
 # -------------------------------------------------------------------------------------------- RMSNorm (01)
@@ -551,3 +573,13 @@ def test_error_formula_wrong_answers():
     rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d, measured=r.out_unpatched.float() - r.out_target.float()),
             "not the unpatched")
     rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d)[0], "the pair")
+
+
+def test_error_formula_names_bfloat16_arithmetic():
+    """The natural first answer computes m and the miss in the layer's bfloat16 and casts at the end: the check
+    says to cast first."""
+    def late_cast(res, post, div):
+        m = 1.0 + post.weight                                              # bfloat16
+        f = m + res.dm.to(m.dtype) if div == "recorded" else m
+        return (f * (res.h - res.h_recorded).to(m.dtype)).float(), (res.out_patched - res.out_target).float()
+    rejects(ex.check_error_formula, late_cast, "bfloat16 rounding", "before the arithmetic")

@@ -63,3 +63,15 @@ def test_bad_inputs():
         invert_rmsnorm_unit(torch.zeros(2, 2), torch.ones(2, 2))
     with pytest.raises(ValueError, match="non-finite"):
         invert_rmsnorm_unit(torch.tensor([float("nan"), 1.0]), torch.ones(2))
+
+
+def test_in_patch_dtype_reuses_one_buffer_with_the_values_of_to():
+    import torch
+    from ctxpatch_lite.patches import in_patch_dtype
+    W = torch.randn(8, 5).bfloat16()
+    a = in_patch_dtype(W, torch.float32)
+    assert torch.equal(a, W.to(torch.float32))
+    b = in_patch_dtype(W * 2, torch.float32)
+    assert b.data_ptr() == a.data_ptr() and torch.equal(b, (W * 2).to(torch.float32))   # the same scratch, overwritten
+    assert in_patch_dtype(W.float(), torch.float32).dtype == torch.float32
+    assert torch.equal(in_patch_dtype(W.t(), torch.float32), W.t().float())            # a strided view: W.to
