@@ -65,9 +65,19 @@ class Checked:
 
 
 def _is_stub(fn: Callable, args: tuple) -> bool:
+    """True when ``fn`` itself still raises NotImplementedError; one raised inside a function it calls (a helper
+    of an earlier exercise, still a stub) is named instead, since ``fn`` is written."""
     try:
         fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    except NotImplementedError:
+    except NotImplementedError as exc:
+        tb = exc.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        code = getattr(fn, "__code__", None)
+        if code is not None and tb.tb_frame.f_code is not code:
+            raise ExerciseError(f"your function is written, but the {tb.tb_frame.f_code.co_name} it calls is not yet (it "
+                                f"raises NotImplementedError): run the cell that defines it, with your code, "
+                                f"then this check again") from None
         return True
     except Exception:  # noqa: BLE001 - the learner's own error: the check names it
         return False
@@ -139,6 +149,9 @@ def _rms_cases() -> list:
         x = (scale * torch.randn(5, 24, generator=g, dtype=torch.float64)).to(getattr(torch, dtype))
         w = (0.4 * torch.randn(24, generator=g, dtype=torch.float64)).to(getattr(torch, dtype))
         out.append((x, w, 1e-6))
+    g = _gen(60)                                  # another eps, where it matters (small x): the argument is used
+    out.append(((0.01 * torch.randn(5, 24, generator=g, dtype=torch.float64)).float(),
+                (0.4 * torch.randn(24, generator=g, dtype=torch.float64)).float(), 1e-3))
     return out
 
 
@@ -195,6 +208,9 @@ def check_rms_norm(fn: Callable | None) -> Checked:
                     (xf - xf.mean(-1, keepdim=True)) / torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + eps)
                     * (1 + wf),
             }
+            if eps != 1e-6:
+                wrong[f"eps is an argument: use the one you are given (this case passes eps={eps:g}), not a fixed "
+                      f"1e-6."] = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + wf)
             if x.dtype == torch.bfloat16:
                 wrong["Normalise in float32 and cast back at the end: Gemma computes its RMSNorms in float32 even for "
                       "a bfloat16 model (x.float(), then .to(x.dtype))."] = (

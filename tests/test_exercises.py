@@ -77,6 +77,12 @@ def test_rms_norm_accepts_correct_answers(capsys):
     assert "computes in float32, as transformers' class does" in out
 
 
+def test_rms_norm_rejects_a_fixed_eps():
+    def fixed(x, w, eps):
+        return sol.rms_norm(x, w, 1e-6)
+    rejects(ex.check_rms_norm, fixed, "eps is an argument")
+
+
 def test_rms_norm_wrong_answers():
     def f32(fn):
         return lambda x, w, eps: fn(x.double() if x.dtype == torch.float64 else x.float(), w, eps).to(x.dtype)
@@ -583,3 +589,12 @@ def test_error_formula_names_bfloat16_arithmetic():
         f = m + res.dm.to(m.dtype) if div == "recorded" else m
         return (f * (res.h - res.h_recorded).to(m.dtype)).float(), (res.out_patched - res.out_target).float()
     rejects(ex.check_error_formula, late_cast, "bfloat16 rounding", "before the arithmetic")
+
+
+def test_a_written_function_calling_a_stub_is_named_not_replaced():
+    def my_norm(x, w, eps):
+        raise NotImplementedError  # your code here
+
+    def mine(x, w, eps):
+        return my_norm(x, w, eps) * 1.0
+    rejects(ex.check_rms_norm, mine, "the my_norm it calls is not yet")
