@@ -201,7 +201,8 @@ def main(argv=None) -> int:
                     help="papermill parameter override for every notebook (VALUE parsed as JSON if it can be)")
     ap.add_argument("--model", default=None, help="model for every notebook (hub id or folder; default embedded)")
     ap.add_argument("--threads", default="auto", help="torch threads in each kernel (the notebooks run one at a "
-                                                      "time): auto (every core) or a number")
+                                                      "time): auto ($CTXPATCH_THREADS if set, else every core) or a "
+                                                      "number")
     ap.add_argument("--compare", default=None, help="a previous run's summary.json to compare metrics against, each "
                                                     "metric under its rule (expected_metrics.json)")
     ap.add_argument("--check", action="store_true", help="compare every notebook's metrics with the expected ones "
@@ -233,8 +234,10 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     # The kernels run one at a time, so each may use every core ("auto"); a rerun with another thread count moves
     # results by rounding only, which the expected metrics' rules allow (measured on 03, 04 and 04b: 1 against 2).
-    threads = (os.cpu_count() or 1) if args.threads == "auto" else int(args.threads)
-    os.environ["CTXPATCH_THREADS"] = str(threads)
+    if args.threads != "auto":
+        os.environ["CTXPATCH_THREADS"] = str(int(args.threads))
+    elif not os.environ.get("CTXPATCH_THREADS"):      # a count the caller set (the tests pin 1) is kept
+        os.environ["CTXPATCH_THREADS"] = str(os.cpu_count() or 1)
     params = {k: _parse_value(v) for k, v in args.parameter}
     if args.model:
         params["model_name"] = args.model
