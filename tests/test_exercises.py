@@ -554,7 +554,12 @@ def test_error_formula_accepts_every_correct_answer(capsys):
     def as_list(res, post, div):                            # a list is a pair too
         return list(sol.error_formula(res, post, div))
 
-    for fn in (sol.error_formula, in_float64, from_target_minus, as_list):
+    def expanded(res, post, div):                           # m h_hat - m h_C: float32 cancellation, still right
+        m = 1.0 + post.weight.float()
+        f = m + res.dm.float() if div == "recorded" else m
+        return f * res.h.float() - f * res.h_recorded.float(), res.out_patched.float() - res.out_target.float()
+
+    for fn in (sol.error_formula, in_float64, from_target_minus, as_list, expanded):
         c, out = accepts(ex.check_error_formula, fn, capsys)
         assert c.report["cases"] == 8 and "tiny bfloat16" in out
     c = ex.check_error_formula(stub)
@@ -598,3 +603,13 @@ def test_a_written_function_calling_a_stub_is_named_not_replaced():
     def mine(x, w, eps):
         return my_norm(x, w, eps) * 1.0
     rejects(ex.check_rms_norm, mine, "the my_norm it calls is not yet")
+
+
+def test_algorithm1_rejects_the_recorded_full_context_logits():
+    def recorded(model, ids, tools):
+        targets = tools.full_context_targets(model, ids)
+        x = tools.query_embedding(model, ids)
+        for layer, block in enumerate(tools.blocks(model)):
+            x = tools.theorem1_block(block, x, len(ids) - 1, targets[layer])
+        return tools.logits(model, targets[-1].out_C)
+    rejects(ex.check_algorithm1, recorded, "recorded full-context output")
