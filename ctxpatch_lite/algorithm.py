@@ -264,7 +264,8 @@ class Algorithm1:
         ``full``: a dict shared by batched runs of the same model on the same ``seq_ids`` and ``positions`` (e.g. the
         configurations of one comparison, which differ only in the query-alone pass). Empty, it receives this run's
         full-context pass (the baseline logits and the targets); filled, that pass is taken from it instead of run
-        again, and the output head multiplies the N patched rows alone.
+        again, and the output head multiplies the N patched rows alone (the same numbers as a run of its own up to
+        the rounding a product over N instead of 2N rows may pick). Not for a context with images.
         """
         if self.config.schedule == "fixed":
             raise ValueError("the fixed schedule reuses the first token's patches step after step; run it step by step")
@@ -276,10 +277,14 @@ class Algorithm1:
         n = ids.shape[1]
         if pos.numel() == 0 or not all(0 <= int(p) < n for p in positions):
             raise ValueError(f"positions must lie in 0..{n - 1}")
-        key = (tuple(int(i) for i in seq_ids), tuple(int(p) for p in positions), self.media is not None)
+        if full is not None and self.media is not None:
+            raise ValueError("full shares a text context's full-context pass; a context with images runs its own "
+                             "(images of the same placeholders would share silently): drop full_context")
+        key = (id(self.model), self.adapter.dtype, str(self.device), tuple(int(i) for i in seq_ids),
+               tuple(int(p) for p in positions))
         if full and full.get("key") != key:
             raise ValueError("full holds the full-context pass of another sequence or other positions: share it only "
-                             "between runs of the same prompt, baseline tokens and number of steps")
+                             "between runs of the same model, prompt, baseline tokens and number of steps")
         if full:
             base, targets = full["base"], full["targets"]
             h_query, pp = self._schedule(ids[0, pos].reshape(-1, 1), pos.reshape(-1, 1), targets, hidden=True)
@@ -295,7 +300,7 @@ class Algorithm1:
         with self.norms():
             logits = self.head(torch.cat([h_full, h_query]))
         if full is not None:
-            full.update(key=key, base=logits[: len(pos)], targets=targets)
+            full.update(key=key, base=logits[: len(pos)].clone(), targets=targets)   # (not a view of all 2N rows)
         return logits[: len(pos)], logits[len(pos):], pp, targets
 
 

@@ -36,6 +36,7 @@ check                  the property                                     typical 
 """
 from __future__ import annotations
 
+import inspect
 import math
 from types import SimpleNamespace
 from typing import Callable
@@ -73,9 +74,12 @@ def _is_stub(fn: Callable, args: tuple) -> bool:
         tb = exc.__traceback__
         while tb.tb_next is not None:
             tb = tb.tb_next
-        code = getattr(fn, "__code__", None)
-        if code is not None and tb.tb_frame.f_code is not code:
-            raise ExerciseError(f"your function is written, but the {tb.tb_frame.f_code.co_name} it calls is not yet (it "
+        code = getattr(inspect.unwrap(fn), "__code__", None)
+        frame = tb.tb_frame
+        if code is not None and frame.f_code is not code:
+            if frame.f_globals.get("__name__") != "__main__":
+                return False                          # raised in a library: the check names the learner's error
+            raise ExerciseError(f"your function is written, but the {frame.f_code.co_name} it calls is not yet (it "
                                 f"raises NotImplementedError): run the cell that defines it, with your code, "
                                 f"then this check again") from None
         return True
@@ -696,7 +700,11 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
     like)."""
     tools = tools or TOOLS
     cases = cases or _algorithm1_cases()
-    if fn is None or _is_stub(fn, (cases[0][0], list(cases[0][1]), tools)):
+    if isinstance(fn, Checked):                      # the check cell run again: its own result
+        fn = fn.fn
+    if fn is solutions.algorithm1:
+        fn, own = _begin("algorithm1", fn, ())
+    elif fn is None or _is_stub(fn, (cases[0][0], list(cases[0][1]), tools)):
         fn, own = _begin("algorithm1", None, ())
     else:
         own = True

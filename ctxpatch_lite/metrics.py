@@ -31,10 +31,10 @@ def average_ranks(x: torch.Tensor) -> torch.Tensor:
     """Ranks 0..n-1 along the last axis, tied values sharing their mean rank (float64); fixed-size tensor
     operations only, so it runs on the logits' device without asking the host anything.
 
-    A 16-bit float (bfloat16, float16: the logits of a low-precision model) has at most 65,536 values, so its ranks
-    come from counting instead of sorting (``_counted_ranks``, the same float64 ranks, ~10x faster over a 262k
+    A 16-bit float (bfloat16, float16: the logits of a low-precision model) has at most 65,536 values, so over a
+    vocabulary at least that large its ranks come from counting instead of sorting (``_counted_ranks``, the same float64 ranks, ~10x faster over a 262k
     vocabulary); any other dtype is sorted."""
-    if x.dtype in (torch.bfloat16, torch.float16):
+    if x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] >= 1 << 16:   # counting needs 65,536 bins a row
         return _counted_ranks(x)
     n = x.shape[-1]
     sorted_vals, order = torch.sort(x, dim=-1)

@@ -56,6 +56,8 @@ def free_memory() -> None:
     import gc
     import sys
 
+    from .patches import free_scratch
+    free_scratch()                                   # the engine's cast buffers, sized for the model just dropped
     gc.collect()
     if sys.platform.startswith("linux"):
         try:

@@ -159,13 +159,19 @@ def in_patch_dtype(W: torch.Tensor, pdtype: torch.dtype) -> torch.Tensor:
     ``W.to(pdtype)``; the time is not: on the CPU under ``notebook.low_memory`` a fresh multi-megabyte block is mapped
     and faulted in page by page (5 ms against 0.3 ms for a 2048 x 640 weight, every layer of every pass). The next
     call with the same shape overwrites the buffer, so never keep the result."""
-    if W.dtype == pdtype or not W.is_contiguous():     # (a strided view keeps its own layout: W.to)
-        return W.to(pdtype)
+    if W.dtype == pdtype or not W.is_contiguous() or torch.is_grad_enabled():   # (a strided view keeps its layout;
+        return W.to(pdtype)                                                        #  a graph needs its own tensor)
     key = (tuple(W.shape), pdtype, W.device)
     buf = _SCRATCH.get(key)
     if buf is None:
-        buf = _SCRATCH[key] = torch.empty(W.shape, dtype=pdtype, device=W.device)
-    return buf.copy_(W)
+        with torch.inference_mode(False):          # a normal tensor, usable in and out of inference mode
+            buf = _SCRATCH[key] = torch.empty(W.shape, dtype=pdtype, device=W.device)
+    return buf.copy_(W.detach())
+
+
+def free_scratch() -> None:
+    """Drop the cast buffers (``in_patch_dtype``), e.g. before loading another model."""
+    _SCRATCH.clear()
 
 
 def input_patch(W: torch.Tensor, z: torch.Tensor, z_C: torch.Tensor, pdtype: torch.dtype) -> Rank1:

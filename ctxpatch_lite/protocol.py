@@ -187,7 +187,7 @@ def run_protocol(model, tokenizer=None, prompt: str | None = None, n_tokens: int
 
     ``full_context`` (batched path only): a dict shared by runs of the same model, prompt, ``greedy`` tokens and
     ``n_tokens`` under different configurations; the first run stores its full-context pass there (baseline logits
-    and targets), the others reuse it (``Algorithm1.batched``).
+    and targets), the others reuse it (``Algorithm1.batched``; text contexts only).
     """
     if forcing not in FORCING:
         raise ValueError(f"unknown forcing {forcing!r}; choose one of: {', '.join(FORCING)}")

@@ -237,7 +237,8 @@ def main(argv=None) -> int:
     if args.threads != "auto":
         os.environ["CTXPATCH_THREADS"] = str(int(args.threads))
     elif not os.environ.get("CTXPATCH_THREADS"):      # a count the caller set (the tests pin 1) is kept
-        os.environ["CTXPATCH_THREADS"] = str(os.cpu_count() or 1)
+        os.environ["CTXPATCH_THREADS"] = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                             else os.cpu_count() or 1)     # the cores this process may use
     params = {k: _parse_value(v) for k, v in args.parameter}
     if args.model:
         params["model_name"] = args.model

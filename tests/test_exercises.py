@@ -597,12 +597,30 @@ def test_error_formula_names_bfloat16_arithmetic():
 
 
 def test_a_written_function_calling_a_stub_is_named_not_replaced():
-    def my_norm(x, w, eps):
-        raise NotImplementedError  # your code here
+    """In a notebook (module __main__), a written function calling a helper that is still a stub."""
+    cell = {"__name__": "__main__"}
+    exec("def my_norm(x, w, eps):\n    raise NotImplementedError\n\n"
+         "def mine(x, w, eps):\n    return my_norm(x, w, eps) * 1.0\n", cell)
+    rejects(ex.check_rms_norm, cell["mine"], "the my_norm it calls is not yet")
 
-    def mine(x, w, eps):
-        return my_norm(x, w, eps) * 1.0
-    rejects(ex.check_rms_norm, mine, "the my_norm it calls is not yet")
+
+def test_a_decorated_stub_is_a_stub_and_a_library_error_is_the_learners(capsys):
+    @torch.no_grad()
+    def decorated(x, w, eps):
+        raise NotImplementedError  # your code here
+    assert not ex.check_rms_norm(decorated).own
+
+    def calls_an_unimplemented_module(x, w, eps):
+        return torch.nn.Module()(x)                     # torch's own NotImplementedError (no forward)
+    rejects(ex.check_rms_norm, calls_an_unimplemented_module, "raised NotImplementedError")
+
+
+def test_algorithm1_check_run_twice_never_calls_the_solution_yours(capsys):
+    def algorithm1(model, ids, tools):
+        raise NotImplementedError  # your code here
+    first = ex.check_algorithm1(algorithm1)
+    assert not first.own
+    assert not ex.check_algorithm1(first).own and not ex.check_algorithm1(sol.algorithm1).own
 
 
 def test_algorithm1_rejects_the_recorded_full_context_logits():

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ctxpatch_lite.metrics import aggregate, average_ranks, compare_logits, format_fraction, spearman
+from ctxpatch_lite.metrics import _counted_ranks, aggregate, average_ranks, compare_logits, format_fraction, spearman
 
 
 def test_compare_identical():
@@ -42,13 +42,15 @@ def test_counted_ranks_equal_the_sorted_ones(dtype):
         x[0, :10], x[0, 10:20] = 0.0, -0.0
         x[1, :5], x[1, 5:9] = float("inf"), -float("inf")
         x[2, :300] = x[2, 300:600]                                         # many ties
-        counted = average_ranks(x)
+        counted = _counted_ranks(x)
         assert counted.dtype == torch.float64
         assert torch.equal(counted, average_ranks(x.double()))
         y = (x.double() + torch.randn(3, 4000, generator=g, dtype=torch.float64) * scale / 10).to(dtype)
         for i in range(3):
             assert spearman(x[i], y[i]) == spearman(x[i].double(), y[i].double())
-    assert average_ranks(torch.tensor([2.0, -1.0, 2.0, 0.5], dtype=dtype)).tolist() == [2.5, 0.0, 2.5, 1.0]
+    assert _counted_ranks(torch.tensor([2.0, -1.0, 2.0, 0.5], dtype=dtype)).tolist() == [2.5, 0.0, 2.5, 1.0]
+    wide = (torch.randn(2, 70000, generator=g) * 10).to(dtype)          # a vocabulary of 65,536 or more: counted
+    assert torch.equal(average_ranks(wide), average_ranks(wide.double()))
 
 
 def test_aggregate_counts():

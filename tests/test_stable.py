@@ -65,6 +65,7 @@ def test_bad_inputs():
         invert_rmsnorm_unit(torch.tensor([float("nan"), 1.0]), torch.ones(2))
 
 
+@__import__("torch").no_grad()                 # as every pass of the engine runs
 def test_in_patch_dtype_reuses_one_buffer_with_the_values_of_to():
     import torch
     from ctxpatch_lite.patches import in_patch_dtype
@@ -75,3 +76,16 @@ def test_in_patch_dtype_reuses_one_buffer_with_the_values_of_to():
     assert b.data_ptr() == a.data_ptr() and torch.equal(b, (W * 2).to(torch.float32))   # the same scratch, overwritten
     assert in_patch_dtype(W.float(), torch.float32).dtype == torch.float32
     assert torch.equal(in_patch_dtype(W.t(), torch.float32), W.t().float())            # a strided view: W.to
+
+
+def test_in_patch_dtype_works_in_and_out_of_inference_mode():
+    import torch
+    from ctxpatch_lite.patches import free_scratch, in_patch_dtype
+    free_scratch()
+    W = torch.randn(6, 3).bfloat16()
+    with torch.inference_mode():
+        a = in_patch_dtype(W, torch.float32).clone()
+    with torch.no_grad():
+        assert torch.equal(in_patch_dtype(W, torch.float32), a)       # the buffer made in inference mode is reusable
+    fresh = in_patch_dtype(W, torch.float32)                          # grad mode: a tensor of its own (W.to)
+    assert torch.equal(fresh, a) and fresh.data_ptr() != in_patch_dtype(W * 1, torch.float32).data_ptr()
