@@ -285,19 +285,19 @@ class Algorithm1:
         if full and full.get("key") != key:
             raise ValueError("full holds the full-context pass of another sequence or other positions: share it only "
                              "between runs of the same model, prompt, baseline tokens and number of steps")
-        if full:
-            base, targets = full["base"], full["targets"]
-            h_query, pp = self._schedule(ids[0, pos].reshape(-1, 1), pos.reshape(-1, 1), targets, hidden=True)
-            with self.norms():
-                return base, self.head(h_query), pp, targets
         # Both passes stop at the final hidden rows; one output-head product over all 2N rows then gives the
         # baseline and the patched logits (one large matrix product streams the head's weights once).
-        with self.norms(), Recorder(self.adapter, pos) as rec:
-            h_full = self.model.base_model(input_ids=ids, use_cache=False,
-                                           **self._media(ids.shape[1])).last_hidden_state[0, pos]
-        targets = rec.targets()
+        if full:
+            targets = full["targets"]
+        else:
+            with self.norms(), Recorder(self.adapter, pos) as rec:
+                h_full = self.model.base_model(input_ids=ids, use_cache=False,
+                                               **self._media(ids.shape[1])).last_hidden_state[0, pos]
+            targets = rec.targets()
         h_query, pp = self._schedule(ids[0, pos].reshape(-1, 1), pos.reshape(-1, 1), targets, hidden=True)
         with self.norms():
+            if full:
+                return full["base"], self.head(h_query), pp, targets
             logits = self.head(torch.cat([h_full, h_query]))
         if full is not None:
             full.update(key=key, base=logits[: len(pos)].clone(), targets=targets)   # (not a view of all 2N rows)

@@ -674,11 +674,8 @@ def _algorithm1_cases() -> list:
     return [(model, [2, 10, 20, 30, 40, 50, 11, 12, 13, 33]), (model, [2, 7, 7, 61, 5, 90, 44, 3, 19, 28, 71, 6])]
 
 
-class _Calls(list):
-    """The theorem1_block calls a spied loop made, in order, and its tools.logits calls (``heads``)."""
-
-
-def _spy_tools(calls: list, tools):
+def _spy_tools(calls: list, heads: list, tools):
+    """``tools`` that record, in order, each theorem1_block call (``calls``) and each tools.logits call (``heads``)."""
     def theorem1(block, x, position, target):
         out = tools.theorem1_block(block, x, position, target)
         calls.append(SimpleNamespace(block=block, x=x, position=position, target=target, out=out))
@@ -686,9 +683,8 @@ def _spy_tools(calls: list, tools):
 
     def head(model, x):
         out = tools.logits(model, x)
-        calls.heads.append(SimpleNamespace(x=x, out=out))
+        heads.append(SimpleNamespace(x=x, out=out))
         return out
-    calls.heads = []
     return SimpleNamespace(**{**vars(tools), "theorem1_block": theorem1, "logits": head})
 
 
@@ -700,18 +696,11 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
     like)."""
     tools = tools or TOOLS
     cases = cases or _algorithm1_cases()
-    if isinstance(fn, Checked):                      # the check cell run again: its own result
-        fn = fn.fn
-    if fn is solutions.algorithm1:
-        fn, own = _begin("algorithm1", fn, ())
-    elif fn is None or _is_stub(fn, (cases[0][0], list(cases[0][1]), tools)):
-        fn, own = _begin("algorithm1", None, ())
-    else:
-        own = True
+    fn, own = _begin("algorithm1", fn, (cases[0][0], list(cases[0][1]), tools))
     moved, block_worst, logit_worst = False, 0.0, 0.0
     for model, ids in cases:
-        calls = _Calls()
-        out = _call(fn, (model, list(ids), _spy_tools(calls, tools)), "algorithm1")
+        calls, heads = [], []
+        out = _call(fn, (model, list(ids), _spy_tools(calls, heads, tools)), "algorithm1")
         L, p = len(model.model.layers), len(ids) - 1
         targets = full_context_targets(model, ids)
         want = logits(model, targets[-1].out_C)      # the same from-scratch model, with the whole context
@@ -757,7 +746,7 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
         if torch.equal(out, logits(model, x0)):
             raise ExerciseError("these are the logits of the unpatched query embedding: apply tools.logits to the "
                                 "last patched layer's output")
-        fed = [h for h in calls.heads if h.out is out]      # the tools.logits call whose result was returned
+        fed = [h for h in heads if h.out is out]      # the tools.logits call whose result was returned
         if fed and not torch.equal(fed[-1].x, calls[-1].out) and torch.equal(fed[-1].x, targets[-1].out_C):
             raise ExerciseError("these are the logits of the recorded full-context output (targets[-1].out_C), which "
                                 "the query alone never computes: return tools.logits(model, x) with x the output of "

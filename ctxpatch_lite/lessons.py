@@ -35,9 +35,10 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
     and those on coordinates whose scale ``m_k`` is 0), the Appendix B hard cases, the largest norm one token's
     fallbacks left out (``miss``), the zero-scale coordinates inside hard cases (``m0_hard``, from
     ``zero_scales``: layer -> count of ``m_k == 0``), and the median over steps of the patches' norms
-    (``dm_norm``, ``matrix_norm``, and their root-sum-square ``total_norm``), each norm taken over all layers; and ``steps``, one record per prompt and step in that order
-    (its token match, L_inf, the baseline's margin in steps as in ``lost``, and each layer's ``block_error``), so that
-    a lesson can take one step apart without running it again.
+    (``dm_norm``, ``matrix_norm``, and their root-sum-square ``total_norm``), each norm taken over all layers; and
+    ``steps``, one record per prompt and step in that order (its token match, L_inf, the baseline's margin in steps
+    as in ``lost``, and each layer's ``block_error``), so that a lesson can take one step apart without running it
+    again.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be at least 1 (got {tokens})")
@@ -83,7 +84,8 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
             "dm_norm": med([x["dm_norm"] for x in d]), "matrix_norm": med([x["matrix_norm"] for x in d]),
             "total_norm": med([math.hypot(x["matrix_norm"], x["dm_norm"]) for x in d]),
             "steps": [{"prompt": p["id"], "step": st["step"], "match": st["match"], "linf": st["linf"],
-                       "ulps": margin_in_ulps(st, dtype), "block_error": list(st["diagnostics"]["per_layer"]["block_error"])}
+                       "ulps": margin_in_ulps(st, dtype),
+                       "block_error": list(st["diagnostics"]["per_layer"]["block_error"])}
                       for p, r in zip(prompts, rs) for st in r["steps"]]})
     bar.close()
     return rows

@@ -32,8 +32,8 @@ def average_ranks(x: torch.Tensor) -> torch.Tensor:
     operations only, so it runs on the logits' device without asking the host anything.
 
     A 16-bit float (bfloat16, float16: the logits of a low-precision model) has at most 65,536 values, so over a
-    vocabulary at least that large its ranks come from counting instead of sorting (``_counted_ranks``, the same float64 ranks, ~10x faster over a 262k
-    vocabulary); any other dtype is sorted."""
+    vocabulary at least that large its ranks come from counting instead of sorting (``_counted_ranks``: the same
+    float64 ranks, ~10x faster over a 262k vocabulary); anything else is sorted."""
     if x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] >= 1 << 16:   # counting needs 65,536 bins a row
         return _counted_ranks(x)
     n = x.shape[-1]
