@@ -637,9 +637,12 @@ def check_theorem1_block(fn: Callable | None, cases: list | None = None) -> Chec
                 with torch.no_grad():
                     y_ = block.W_down @ (gelu((block.W_gate + dWg) @ z, approximate="tanh") * ((block.W_up + dWu) @ z))
                     w_ = block.norms["post_feedforward_layernorm"]
+                    h0 = n(block.W_down @ (gelu(block.W_gate @ z, approximate="tanh") * (block.W_up @ z)))
                     named = {"Gemma's scale is m = 1 + w: block.norms holds the stored w.": v + (w_ + dm) * h,
                              "N includes the epsilon: h = y / sqrt(mean(y²) + block.eps).":
-                                 v + (m + dm) * (y_ / y_.pow(2).mean().sqrt())}
+                                 v + (m + dm) * (y_ / y_.pow(2).mean().sqrt()),
+                             "Yours is the *unpatched* MLP's h: compute h_g with W_gate + dW_gate and W_up + dW_up on "
+                             "z, then h = N(W_down h_g), and build Δm and the output on that h.": v + (m + dm) * h0}
                 hint = next((k for k, t_ in named.items() if _rel(out, t_) < 1e-10), None)
                 raise ExerciseError(f"layer {l}: the returned row is not v + (m + dm) ⊙ h of the patched layer with the "
                                     "returned patches (h = N(W_down h_g) of the patched MLP on z, GELU with "

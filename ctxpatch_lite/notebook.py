@@ -6,8 +6,23 @@ import os
 from pathlib import Path
 
 
-MMAP_THRESHOLD = 256 << 10   # bytes: blocks from here up are mmapped, so freeing them returns the memory at once
+MMAP_THRESHOLD = 8 << 20     # bytes: blocks from here up are mmapped, so freeing them returns the memory at once
 TRIM_THRESHOLD = 64 << 20   # bytes of free heap top kept before it is given back
+
+
+# Set in a kernel's environment before it starts (the runner, the nbval run and Binder's start script do): glibc
+# fixes its arena limit when a second thread first allocates, and a Jupyter kernel's own threads do that before
+# any cell runs, so ``low_memory``'s M_ARENA_MAX comes too late there. One arena kept lesson 02's kernel at 1.78 GB
+# against 1.91 GB with the default (8 arenas per core).
+KERNEL_ENV = {"MALLOC_ARENA_MAX": "1"}
+
+
+def kernel_environment() -> dict:
+    """Put ``KERNEL_ENV`` into this process's environment (values the caller set are kept), for the kernels it
+    starts; returns what the kernels will see."""
+    for key, value in KERNEL_ENV.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in KERNEL_ENV}
 
 
 def low_memory() -> bool:
@@ -16,8 +31,17 @@ def low_memory() -> bool:
     glibc raises its mmap threshold as large blocks are freed, after which the many multi-megabyte temporaries
     of a forward pass over a 262k vocabulary come from the heap and stay resident after they are freed: a
     20-token batched run of the embedded model then peaks at 2.3 GB resident where its live data is 1.8 GB.
-    Fixing the threshold keeps the peak at live memory (Binder gives about 2 GB) at some speed: the batched
-    path took about 20 % longer here (``benchmarks/bench_memory.py`` measures both)."""
+    Three settings keep the peak near live memory (Binder gives about 2 GB):
+
+    * a fixed mmap threshold (``MMAP_THRESHOLD``, 8 MB): blocks from there up are mapped and unmapped, so freeing
+      them returns them at once. It sits above a 2048 x 640 float32 matrix (5.2 MB), the temporary of every
+      patched MLP weight: at 256 kB each of those was a fresh mapping whose pages were faulted in again, and
+      lesson 03's loop over layers ran 2-3x slower;
+    * one malloc arena (``M_ARENA_MAX`` = 1): torch's worker threads otherwise grow arenas of their own whose
+      freed blocks stay resident (lesson 02 peaked 0.1 GB higher with them);
+    * a trim threshold (``TRIM_THRESHOLD``): free memory above it at the heap's top is given back.
+
+    ``benchmarks/bench_memory.py`` measures peaks and times with and without these settings."""
     import ctypes
     import sys
 
@@ -27,9 +51,9 @@ def low_memory() -> bool:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(libc.mallopt(m_trim_threshold,
-                                                                                      TRIM_THRESHOLD))
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    return all(bool(libc.mallopt(option, value)) for option, value in
+               ((m_mmap_threshold, MMAP_THRESHOLD), (m_trim_threshold, TRIM_THRESHOLD), (m_arena_max, 1)))
 
 
 def peak_rss_gb() -> float:

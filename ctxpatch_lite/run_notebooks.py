@@ -152,12 +152,15 @@ def store(summary: dict, nb_dir: Path, out_dir: Path) -> list[str]:
     for stem in summary:     # the stored outputs and the expected metrics come from this one execution
         stored_outputs(out_dir / f"{stem}.ipynb", nb_dir / f"{stem}.ipynb")
     stamp = time.strftime("%Y-%m-%d")
-    expected["stored"] = {"command": "make run ARGS=--store", "date": stamp, "run": str(out_dir),
-                          "arithmetic_path": arithmetic_path()}
-    expected["about"] = ("Expected notebook metrics: the values of one run (`make run ARGS=--store`), and per notebook "
-                         "the rule each metric is compared under (written by hand; named rules are "
-                         "ctxpatch_lite.arithmetic.RULES). nbval compares the words of the stored outputs; the tests "
-                         "compare every run's metrics with these (notebooks/conftest.py).")
+    provenance = {"command": "make run ARGS=--store", "date": stamp, "run": str(out_dir),
+                  "arithmetic_path": arithmetic_path()}
+    for stem in summary:     # each notebook names the run it was stored from (a store with --only keeps the others')
+        expected["notebooks"][stem]["stored"] = provenance
+    expected.pop("stored", None)
+    expected["about"] = ("Expected notebook metrics: per notebook, the values of the run that stored it (`make run "
+                         "ARGS=--store`, named in its 'stored') and the rule each metric is compared under (written by "
+                         "hand; named rules are ctxpatch_lite.arithmetic.RULES). nbval compares the words of the stored "
+                         "outputs; the tests compare every run's metrics with these (notebooks/conftest.py).")
     (nb_dir / EXPECTED).write_text(json.dumps(expected, indent=1, sort_keys=False) + "\n")
     times = json.loads((nb_dir / TIMES).read_text()) if (nb_dir / TIMES).is_file() else {"seconds": {}}
     times["seconds"].update({stem: s["seconds"] for stem, s in summary.items()})
@@ -239,6 +242,8 @@ def main(argv=None) -> int:
     elif not os.environ.get("CTXPATCH_THREADS"):      # a count the caller set (the tests pin 1) is kept
         os.environ["CTXPATCH_THREADS"] = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                              else os.cpu_count() or 1)     # the cores this process may use
+    from .notebook import kernel_environment
+    kernel_environment()                              # malloc settings a kernel needs before it starts
     params = {k: _parse_value(v) for k, v in args.parameter}
     if args.model:
         params["model_name"] = args.model

@@ -104,6 +104,8 @@ def pytest_runtest_setup(item):
         target = METRICS / f"{Path(str(nb.fspath)).stem}.json"
         target.unlink(missing_ok=True)
         os.environ["CTXPATCH_METRICS_OUT"] = str(target)
+        from ctxpatch_lite.notebook import kernel_environment
+        kernel_environment()                   # malloc settings a kernel needs before it starts (the ceiling below)
 
 
 @pytest.hookimpl(tryfirst=True)

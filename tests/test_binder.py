@@ -39,6 +39,19 @@ def test_postbuild_is_strict_and_prepares_the_cache():
     assert "ensure_embedded" in text and "pip install" in text and "bfloat16" in text
 
 
+def test_start_exports_the_kernel_environment():
+    """binder/start gives every kernel the malloc settings the notebooks' memory ceiling was measured with (the
+    runner and the nbval run set the same ``KERNEL_ENV``), then runs the server it was handed."""
+    import subprocess
+    from ctxpatch_lite.notebook import KERNEL_ENV
+    start = ROOT / "binder" / "start"
+    assert os.stat(start).st_mode & stat.S_IXUSR
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_ENV}
+    r = subprocess.run([str(start), "env"], env=env, capture_output=True, text=True, check=True)
+    seen = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    assert {k: seen.get(k) for k in KERNEL_ENV} == KERNEL_ENV
+
+
 @pytest.mark.real
 @pytest.mark.slow
 def test_postbuild_runs_in_a_fresh_venv(tmp_path, monkeypatch):

@@ -434,7 +434,10 @@ def test_theorem1_block_accepts_correct_answers_and_names_mistakes(capsys):
             h0 = N(block.W_down @ (act(block.W_gate @ tr.z[0]) * (block.W_up @ tr.z[0])))
             m = 1 + block.norms["post_feedforward_layernorm"]
             dm = torch.zeros_like(v) if kw.get("no_scale") else sol.scale_patch(v, target.v_C, h0 if kw.get("h0") else h, m)
-            out = v + (m + dm) * h
+            out = v + (m + dm) * (h0 if kw.get("h0_throughout") else h)
+            if kw.get("h0_throughout"):                 # the unpatched h in dm and in the output alike
+                dm = sol.scale_patch(v, target.v_C, h0, m)
+                out = v + (m + dm) * h0
             if kw.get("bias_after_norm"):
                 out, dm = v + m * h + (target.v_C - v), torch.zeros_like(v)
             return out, (dWg, dWu, dm)
@@ -445,6 +448,7 @@ def test_theorem1_block_accepts_correct_answers_and_names_mistakes(capsys):
     rejects(ex.check_theorem1_block, variant(no_scale=True), "add the scale patch")
     rejects(ex.check_theorem1_block, variant(bias_after_norm=True), "not v + (m + dm)")
     rejects(ex.check_theorem1_block, variant(h0=True), "*patched* MLP")
+    rejects(ex.check_theorem1_block, variant(h0_throughout=True), "*unpatched* MLP's h")
     rejects(ex.check_theorem1_block, variant(swap=True), "in that order")
     rejects(ex.check_theorem1_block, variant(exact=True), "approximate='tanh'")
 

@@ -124,3 +124,42 @@ def test_embedded_warm_from_cache(embedded, monkeypatch):
     assert out.shape[1] == ids["input_ids"].shape[1] + 3
 
 # The real cold path (dequantise into an empty cache) runs in tests/test_binder.py, through binder/postBuild.
+
+
+@pytest.mark.real
+def test_embedded_tokenizer_is_slim_and_cached(embedded, monkeypatch):
+    """The embedded tokenizer drops its Python vocabulary and merges (the Rust tokenizer keeps its own) and comes back
+    from a pickle that is rebuilt, not trusted, when it or tokenizer.json no longer match what it recorded."""
+    from transformers import AutoTokenizer
+    _, tok = embedded
+    folder = models.ensure_embedded(progress=False)
+    assert "_vocab" not in vars(tok) and "_merges" not in vars(tok)
+    ref = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    text = "Context becomes weights: ü, 12345, <b>tags</b>,\n  spaces."
+    assert tok(text)["input_ids"] == ref(text)["input_ids"] and len(tok) == len(ref)
+    assert tok.decode(ref(text)["input_ids"]) == ref.decode(ref(text)["input_ids"])
+    assert tok.convert_ids_to_tokens(list(range(300))) == ref.convert_ids_to_tokens(list(range(300)))
+    pkl = models._tokenizer_pickle(folder)
+    assert pkl.is_file()
+    pkl.write_bytes(b"not a pickle")                       # damaged: rebuilt from tokenizer.json, then read back
+    built = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: built.append(1) or real(*a, **k))
+    again = models._embedded_tokenizer(folder)
+    assert built == [1] and again(text)["input_ids"] == ref(text)["input_ids"]
+    assert models._embedded_tokenizer(folder)(text)["input_ids"] == ref(text)["input_ids"] and built == [1]
+
+
+def test_slim_tokenizer_keeps_encoding(tmp_path):
+    """A GemmaTokenizer built from a small vocabulary keeps its Python copies until slimmed; after, it encodes,
+    decodes and saves the same."""
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "a", "b", "ab", "\u2581", "\u2581ab"])}
+    tok = GemmaTokenizer(vocab=dict(vocab), merges=[("a", "b"), ("\u2581", "ab")])
+    assert "_vocab" in vars(tok) and "_merges" in vars(tok)
+    before = tok("ab ab ba")["input_ids"]
+    assert models.slim_tokenizer(tok) is tok
+    assert "_vocab" not in vars(tok) and "_merges" not in vars(tok)
+    assert tok("ab ab ba")["input_ids"] == before and tok.decode(before) == "ab ab ba"
+    tok.save_pretrained(tmp_path)
+    assert GemmaTokenizer.from_pretrained(tmp_path)("ab ab ba")["input_ids"] == before

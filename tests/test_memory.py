@@ -18,7 +18,9 @@ def _notebook(folder: Path, mb: int) -> None:
     params = nbformat.v4.new_code_cell("metrics_out = None\nfigures_dir = None")
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params, nbformat.v4.new_code_cell(f"import ctxpatch_lite\nblock = bytearray({mb} * 10**6)\n"
-                                                  "block[::4096] = b'x' * len(block[::4096])")]
+                                                  "block[::4096] = b'x' * len(block[::4096])\n"
+                                                  "import json, os\njson.dump({'malloc_arena_max': "
+                                                  "os.environ.get('MALLOC_ARENA_MAX')}, open(metrics_out, 'w'))")]
     nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
                    "language_info": {"name": "python"}}
     nbformat.write(nb, folder / "00_alloc.ipynb")
@@ -36,6 +38,7 @@ def test_runner_reports_the_kernels_peak_and_enforces_a_ceiling(tmp_path):
     summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
     peak = summary["00_alloc"]["peak_rss_gb"]
     assert 0.4 < peak < 2.0        # the 400 MB block plus the interpreter, torch and the kernel
+    assert summary["00_alloc"]["metrics"] == {"malloc_arena_max": "1"}    # notebook.KERNEL_ENV, set before it started
     assert "peak RSS GB" in r.stdout and f"{peak:.2f}" in r.stdout
     r = _run(tmp_path / "nb", tmp_path / "runs2", "--max-rss-gb", f"{peak - 0.2:.2f}")
     assert r.returncode == 1, r.stderr[-2000:]
@@ -49,7 +52,7 @@ def test_runner_reports_the_kernels_peak_and_enforces_a_ceiling(tmp_path):
 def test_low_memory_returns_freed_blocks():
     code = ("from ctxpatch_lite.notebook import low_memory\nimport sys\nassert low_memory()\n"
             "def rss():\n    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])\n"
-            "a = rss()\nblocks = [bytearray(b'x' * (6 << 20)) for _ in range(40)]\nb = rss()\ndel blocks\nc = rss()\n"
+            "a = rss()\nblocks = [bytearray(b'x' * (12 << 20)) for _ in range(20)]   # above MMAP_THRESHOLD (8 MB)\nb = rss()\ndel blocks\nc = rss()\n"
             "print(a, b, c)\nassert b - a > 200_000 and c - a < 50_000, (a, b, c)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
