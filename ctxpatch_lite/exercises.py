@@ -289,7 +289,10 @@ def _block_hints(got: dict, want: dict, x, block, rms) -> dict:
                 "GELU acts on the gate projection, W_gate z; the up projection W_up z multiplies it unchanged.":
                 gelu(z @ block.W_up.T, approximate="tanh") * (z @ block.W_gate.T),
                 "The gated hidden is the elementwise product GELU(W_gate z) ⊙ (W_up z), both on z (the MLP input), "
-                "not on v.": gelu(v @ block.W_gate.T, approximate="tanh") * (v @ block.W_up.T)},
+                "not on v.": gelu(v @ block.W_gate.T, approximate="tanh") * (v @ block.W_up.T),
+                "Gemma's MLP uses GELU (tanh approximation), not SiLU (Llama's): "
+                "gelu(z @ W_gate.T, approximate='tanh') * (z @ W_up.T).":
+                torch.nn.functional.silu(z @ block.W_gate.T) * (z @ block.W_up.T)},
         "out": {"out = v + RMSNorm_post-FF(W_down h_g): the MLP output goes through the post-feed-forward norm (its "
                 "scale m is what Theorem 1 patches).": v + h_g @ block.W_down.T,
                 "out adds the residual v (after attention), not the block input x.":
@@ -323,8 +326,15 @@ def check_gemma_block(fn: Callable | None, model, ids: list, rms_norm: Callable 
             for key in ("v", "z", "h_g", "out"):
                 g, w = got[key], want[key]
                 if not isinstance(g, torch.Tensor) or g.shape != w.shape:
+                    hint = ""
+                    if key == "h_g" and isinstance(g, torch.Tensor) and g.shape == want["v"].shape \
+                            and _rel(g, want["h_g"] @ block.W_down.T) < 1e-4:
+                        hint = (" That is W_down h_g: return the gated hidden itself (width d_ff), before W_down.")
+                    elif all(isinstance(t, torch.Tensor) for t in out) and \
+                            sorted(tuple(t.shape) for t in out) == sorted(tuple(want[k].shape) for k in got):
+                        hint = " Return the four rows in the order (v, z, h_g, out)."
                     raise ExerciseError(f"layer {l}: {key} has shape {tuple(getattr(g, 'shape', ()))}, "
-                                        f"Gemma3DecoderLayer's {tuple(w.shape)}")
+                                        f"Gemma3DecoderLayer's {tuple(w.shape)}.{hint}")
                 err = _rel(g, w)
                 if err > tol:
                     hint = _hint(g, _block_hints(got, want, want["x"], block, rms)[key], max(1e-4, tol / 4))
@@ -385,6 +395,10 @@ def _input_wrong(W, z, zc) -> dict:
         "W(z_C − z).": torch.outer(W @ (zc - z), zc) / zc.dot(zc),
         "The right factor is z, and so is the normalisation: divide by ‖z‖², not ‖z_C‖².":
             torch.outer(W @ (zc - z), z) / zc.dot(zc),
+        "The left factor is the *change* W(z_C − z), not W z_C: the patch adds to W z what it lacks.":
+            torch.outer(W @ zc, z) / z.dot(z),
+        "Return the patch ΔW alone, not the patched matrix W + ΔW (the check adds W itself).":
+            W + torch.outer(W @ (zc - z), z) / z.dot(z),
     }
 
 

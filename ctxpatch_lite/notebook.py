@@ -6,14 +6,15 @@ import os
 from pathlib import Path
 
 
-MMAP_THRESHOLD = 8 << 20     # bytes: blocks from here up are mmapped, so freeing them returns the memory at once
+MMAP_THRESHOLD = 256 << 10    # bytes: blocks from here up are mmapped, so freeing them returns the memory at once
 TRIM_THRESHOLD = 64 << 20   # bytes of free heap top kept before it is given back
 
 
 # Set in a kernel's environment before it starts (the runner, the nbval run and Binder's start script do): glibc
 # fixes its arena limit when a second thread first allocates, and a Jupyter kernel's own threads do that before
 # any cell runs, so ``low_memory``'s M_ARENA_MAX comes too late there. One arena kept lesson 02's kernel at 1.78 GB
-# against 1.91 GB with the default (8 arenas per core).
+# against 1.91 GB with the default (8 arenas per core; both measured with an 8 MB mmap threshold), and at 1.78 GB
+# against 1.88 GB with the 256 kB one.
 KERNEL_ENV = {"MALLOC_ARENA_MAX": "1"}
 
 
@@ -33,10 +34,10 @@ def low_memory() -> bool:
     20-token batched run of the embedded model then peaks at 2.3 GB resident where its live data is 1.8 GB.
     Three settings keep the peak near live memory (Binder gives about 2 GB):
 
-    * a fixed mmap threshold (``MMAP_THRESHOLD``, 8 MB): blocks from there up are mapped and unmapped, so freeing
-      them returns them at once. It sits above a 2048 x 640 float32 matrix (5.2 MB), the temporary of every
-      patched MLP weight: at 256 kB each of those was a fresh mapping whose pages were faulted in again, and
-      lesson 03's loop over layers ran 2-3x slower;
+    * a fixed mmap threshold (``MMAP_THRESHOLD``, 256 kB): blocks from there up are mapped and unmapped, so freeing
+      them returns them at once. It costs page faults: a patched 2048 x 640 float32 weight (5.2 MB) is a fresh mapping
+      each time, and 8 MB made lesson 03 about 8 s faster, but then lesson 05 (which writes patches into the weights
+      and restores them) peaked anywhere from 1.77 to 2.45 GB between two runs of the same code, so it stays here;
     * one malloc arena (``M_ARENA_MAX`` = 1): torch's worker threads otherwise grow arenas of their own whose
       freed blocks stay resident (lesson 02 peaked 0.1 GB higher with them);
     * a trim threshold (``TRIM_THRESHOLD``): free memory above it at the heap's top is given back.

@@ -235,3 +235,14 @@ def test_every_figure_has_a_caption(path):
             for name in re.findall(r"save_figure\([^,]+, \"(\w+)\"", c.source):
                 caps = [x for x in cells[i + 1:i + 4] if "caption" in x.metadata.get("tags", [])]
                 assert any(x.source.startswith(f"*Figure ({name.replace('_', ' ')}).") for x in caps), name
+
+
+def test_each_notebooks_expected_metrics_name_the_run_that_timed_it():
+    """A store writes a notebook's expected metrics and its time from one run; each notebook names that run
+    (a store of some notebooks leaves the others' provenance as it was)."""
+    expected = json.loads((ROOT / "notebooks" / "expected_metrics.json").read_text())
+    times = json.loads((ROOT / "notebooks" / "times.json").read_text())
+    for stem, run in times["runs"].items():
+        stored = expected["notebooks"][stem]["stored"]
+        assert Path(stored["run"]).name == run.split("/")[0], (stem, stored["run"], run)
+        assert stored["arithmetic_path"]["torch_threads"] == int(times["threads"][stem]), stem

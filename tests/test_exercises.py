@@ -171,6 +171,18 @@ def test_gemma_block_wrong_answers(tiny):
             "post_feedforward_layernorm", **kw)
     rejects(ex.check_gemma_block, lambda b, x, p=None: sol.gemma_block(b, x, p)[:3], "(v, z, h_g, out)", **kw)
     rejects(ex.check_gemma_block, lambda b, x, p=None: sol.gemma_block(b, x, None), "pass `positions` on", **kw)
+    silu = torch.nn.functional.silu
+    rejects(ex.check_gemma_block, swap("h_g", lambda l: silu(l["z"] @ l["block"].W_gate.T) * (l["z"] @ l["block"].W_up.T)),
+            "not SiLU", **kw)
+    def down_in_h_g_slot(b, x, p=None):             # the MLP's output before its norm, where h_g belongs
+        v, z, h_g, out = sol.gemma_block(b, x, p)
+        return v, z, h_g @ b.W_down.T, out
+    rejects(ex.check_gemma_block, down_in_h_g_slot, "That is W_down h_g", **kw)
+
+    def reordered(b, x, p=None):
+        v, z, h_g, out = sol.gemma_block(b, x, p)
+        return v, h_g, z, out
+    rejects(ex.check_gemma_block, reordered, "in the order (v, z, h_g, out)", **kw)
 
 
 # -------------------------------------------------------------------------------------------- input patch (02)
@@ -196,6 +208,8 @@ def test_input_patch_wrong_answers():
     rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(zc - z, z) / z.dot(z), "left factor is W(z_C − z)")
     rejects(ex.check_input_patch, lambda W, z, zc: W @ (zc - z), "W's shape")
     rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(W @ (zc - z), z), "normalisation 1/‖z‖²")
+    rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(W @ zc, z) / z.dot(z), "*change* W(z_C − z)")
+    rejects(ex.check_input_patch, lambda W, z, zc: W + sol.input_patch(W, z, zc), "not the patched matrix")
 
     def rank2(W, z, zc):                        # exact on z, but with a second direction orthogonal to z
         q = torch.randn(z.shape, dtype=z.dtype, generator=torch.Generator().manual_seed(1))
