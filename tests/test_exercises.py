@@ -280,6 +280,11 @@ def test_algorithm1_with_the_learners_patch_functions(capsys):
     accepts(ex.check_algorithm1, sol.algorithm1, capsys, tools=tools)   # another exact input patch: still exact
 
 
+def test_algorithm1_names_a_cast_of_the_right_logits():
+    rejects(ex.check_algorithm1, lambda model, ids, tools: sol.algorithm1(model, ids, tools).float(),
+            "the right ones cast to torch.float32")
+
+
 def test_algorithm1_wrong_answers():
     def no_chain(model, ids, tools):
         targets, x0 = tools.full_context_targets(model, ids), tools.query_embedding(model, ids)
@@ -464,7 +469,7 @@ def test_theorem1_block_accepts_correct_answers_and_names_mistakes(capsys):
     rejects(ex.check_theorem1_block, variant(h0=True), "*patched* MLP")
     rejects(ex.check_theorem1_block, variant(h0_throughout=True), "*unpatched* MLP's h")
     rejects(ex.check_theorem1_block, variant(swap=True), "in that order")
-    rejects(ex.check_theorem1_block, variant(exact=True), "approximate='tanh'")
+    rejects(ex.check_theorem1_block, variant(exact=True), "Gemma uses the tanh approximation")
 
 
 def test_scale_patch_names_a_clamped_or_shifted_divisor():
@@ -530,6 +535,16 @@ def test_secular_root_accepts_a_root_to_1e9_and_asks_for_a_tighter_stop_near_it(
         return root
     accepts(ex.check_secular_root, bisect(1e-12), capsys)
     rejects(ex.check_secular_root, bisect(1e-7), "tighten your stopping rule")
+
+    def halvings(k):                                 # a fixed number of halvings: 30 leave the root ~1e-6 off
+        def root(g, m):
+            lo, hi = float((m ** 2).min()) - float(((g * m) ** 2).mean().sqrt()) - 1.0, float((m ** 2).min())
+            for _ in range(k):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if float(sol.secular(mid, g, m)) < 0 else (lo, mid)
+            return lo
+        return root
+    rejects(ex.check_secular_root, halvings(30), "tighten your stopping rule")
 
 
 # ------------------------------------------------------------------------------------ naive patch's miss (04, Part B)

@@ -87,3 +87,9 @@ def test_masking_keeps_names_and_words():
     for regex, rep in pats:
         s = re.sub(regex, rep, s)
     assert s == "float32 h_g x86_64 Gemma3ForCausalLM layer N: N, N values (N %), N/N tokens"
+    ends = []
+    for s in ("the ratio is 999.", "the ratio is 1.03e+03.", "the ratio is 0.5."):   # one value, on two CPUs
+        for regex, rep in pats:
+            s = re.sub(regex, rep, s)
+        ends.append(s)
+    assert ends == ["the ratio is N."] * 3
