@@ -408,9 +408,11 @@ def load_model(name: str | None = None, dtype="float32", device="auto", device_m
             else:
                 model_cls, tok_cls = AutoModelForCausalLM, AutoTokenizer
             # The tokenizer (a 33 MB tokenizer.json for Gemma) loads in a thread while the weights load.
-            load_tok = (lambda: _embedded_tokenizer(source)) if local_only and (name is None or name == EMBEDDED_NAME) \
-                else (lambda: slim_tokenizer(tok_cls.from_pretrained(source, trust_remote_code=False,
-                                                                     local_files_only=local_only)))
+            if name is None or name == EMBEDDED_NAME:
+                load_tok = lambda: _embedded_tokenizer(source)                       # noqa: E731
+            else:
+                load_tok = lambda: slim_tokenizer(tok_cls.from_pretrained(           # noqa: E731
+                    source, trust_remote_code=False, local_files_only=local_only))
             with ThreadPoolExecutor(max_workers=1) as pool:
                 tok_future = pool.submit(load_tok) if tokenizer else None
                 model = model_cls.from_pretrained(source, local_files_only=local_only, **kwargs)

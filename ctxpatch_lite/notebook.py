@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 
-MMAP_THRESHOLD = 256 << 10    # bytes: blocks from here up are mmapped, so freeing them returns the memory at once
+MMAP_THRESHOLD = 256 << 10   # bytes: blocks from here up are mmapped, so freeing them returns the memory at once
 TRIM_THRESHOLD = 64 << 20   # bytes of free heap top kept before it is given back
 
 
