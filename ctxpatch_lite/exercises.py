@@ -1117,3 +1117,79 @@ def check_error_formula(fn: Callable | None) -> Checked:
     print(f"✓ error_formula ({_whose(own)}): the prediction and the measured miss, for both divisors on all "
           f"{len(cases) // 2} layers of a tiny bfloat16 Gemma 3 (largest relative difference {worst:.1e})")
     return Checked("error_formula", fn, own, {"cases": len(cases), "max_error": worst})
+
+
+# ---------------------------------------------------------------------------------------- 04b: the hard case of step 2
+def _hard_cases() -> list:
+    """Hard cases of Appendix B's step 2 (no root of F below min m^2): lesson 04b's five-coordinate toy, two
+    coordinates tied at the smallest m^2, both with g = 0, and a width-640 scale with exact zeros, as on the embedded
+    model's zero-scale layers (min m^2 = 0, mu = 0)."""
+    out = [(torch.tensor([0.0, 0.05, -0.04, 0.03, 0.02], dtype=torch.float64),
+            torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0], dtype=torch.float64))]
+    g = _gen(400)
+    m = 1.0 + torch.rand(12, generator=g, dtype=torch.float64)
+    m[3] = m[7] = 0.75
+    gv = 0.1 * torch.randn(12, generator=g, dtype=torch.float64)
+    gv[3] = gv[7] = 0.0
+    out.append((gv, m))
+    g = _gen(401)
+    m = 0.5 + 2.0 * torch.rand(640, generator=g, dtype=torch.float64)
+    m[[5, 77, 300, 512]] = 0.0
+    gv = 0.3 * torch.randn(640, generator=g, dtype=torch.float64)       # mean((g/m)^2) < 1: a hard case at mu = 0
+    out.append((gv, m))
+    return out
+
+
+def check_hard_case_y(fn: Callable | None) -> Checked:
+    """04b: ``fn(g, m)`` must return step 2's minimiser y in the hard case: mean(y^2) = 1, and y_k = g_k m_k /
+    (m_k^2 - min m^2) on every coordinate not at the smallest m^2 (mu = min m^2). The leftover norm may be split
+    over the smallest-m^2 coordinates in any way and with any signs: every such y gives the same least-squares
+    objective (there g_k m_k = 0, so the objective sees only the sum of their y_k^2). The check says whether yours is
+    the engine's choice (an even split, positive)."""
+    cases = _hard_cases()
+    fn, own = _begin("hard_case_y", fn, cases[0])
+    worst, engine = 0.0, True
+    for g, m in cases:
+        y = _call(fn, (g, m), "hard_case_y")
+        if not isinstance(y, torch.Tensor) or y.shape != g.shape:
+            raise ExerciseError(f"hard_case_y must return the vector y, shape {tuple(g.shape)}; got "
+                                f"{type(y).__name__} {tuple(getattr(y, 'shape', ()))}")
+        if not bool(torch.isfinite(y).all()):
+            at = int((~torch.isfinite(y)).nonzero()[0])
+            raise ExerciseError(f"y is not finite at coordinate {at} (m_k = {float(m[at]):.3g}): at the smallest m² "
+                                "the formula g_k m_k / (m_k² − μ) is 0/0 when μ = min m². Those coordinates take the "
+                                "leftover norm instead")
+        y = y.double()
+        m2 = m ** 2
+        at_min = m2 == m2.min()
+        want_others = g * m / torch.where(at_min, torch.ones_like(m2), m2 - m2.min())
+        off = (y - want_others)[~at_min].abs().max() / want_others[~at_min].abs().max()
+        if float(off) > 1e-9:
+            k = int(torch.where(~at_min, (y - want_others).abs(), torch.zeros_like(y)).argmax())
+            raise ExerciseError(
+                f"coordinate {k} (not at the smallest m²) has y_k = {float(y[k]):.6g}, not g_k m_k / (m_k² − μ) = "
+                f"{float(want_others[k]):.6g} with μ = min m² = {float(m2.min()):.6g}. In the hard case F has no root "
+                "below min m², so μ sits at min m² itself; the stationarity condition still fixes every coordinate "
+                "away from it, and only the smallest-m² coordinates are free"
+                + (" (did the leftover go to all coordinates, or to the largest m²?)"
+                   if float((y[~at_min] ** 2).sum()) > float((want_others[~at_min] ** 2).sum()) + 1e-9 else ""))
+        c = abs(float((y ** 2).mean()) - 1.0)
+        if c > 1e-9:
+            leftover = g.numel() - float((want_others[~at_min] ** 2).sum())
+            raise ExerciseError(
+                f"mean(y²) = {float((y ** 2).mean()):.9g}, not 1: the constraint must hold. With the other coordinates "
+                f"fixed, the smallest-m² coordinates ({int(at_min.sum())} here) must carry the leftover norm, "
+                f"n − Σ_others y_k² = {leftover:.6g} in all (their squares sum to it)"
+                + (": did you split it without a square root?" if abs(float(y[at_min].sum()) - leftover) < 1e-9
+                   else ""))
+        worst = max(worst, c, float(off))
+        ref = solutions.hard_case_y(g, m)
+        engine = engine and bool(((y - ref).abs().max() / ref.abs().max()) <= 1e-9)
+    print(f"✓ hard_case_y ({_whose(own)}): on {len(cases)} hard cases (n = {min(g.numel() for g, _ in cases)} to "
+          f"{max(g.numel() for g, _ in cases)}, one with min m² = 0 as on the real model) μ = min m², y_k = "
+          f"g_k m_k / (m_k² − μ) away from it and mean(y²) = 1 to {worst:.1e}; "
+          + ("it is the engine's choice: the leftover split evenly, positive" if engine else
+             "the leftover is split otherwise than the engine's even, positive split: equally optimal (the objective "
+             "sees only the sum of their squares)"))
+    return Checked("hard_case_y", fn, own, {"cases": len(cases), "sizes": [g.numel() for g, _ in cases],
+                                            "max_error": worst, "engine_choice": engine})

@@ -135,6 +135,19 @@ def naive_miss(m: torch.Tensor, dm: torch.Tensor, dh: torch.Tensor, divide_by: s
     return (m + dm) * dh if divide_by == "recorded" else m * dh
 
 
+def hard_case_y(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Lesson 04b, Part 2: Appendix B's step-2 minimiser in the *hard case* (no root of F below min m^2: every
+    coordinate of smallest m_k^2 has g_k m_k = 0, and F <= 0 at min m^2 without them). mu = min m^2; every other
+    coordinate gets y_k = g_k m_k / (m_k^2 - mu); the leftover norm n - sum of their y_k^2 is split evenly, with a
+    positive sign, over the smallest-m^2 coordinates (the engine's choice, ``stable.invert_rows``), so mean(y^2) = 1."""
+    g, m = g.double(), m.double()
+    m2 = m ** 2
+    at_min = m2 == m2.min()
+    y = torch.where(at_min, torch.zeros_like(g), g * m / torch.where(at_min, torch.ones_like(m2), m2 - m2.min()))
+    leftover = g.numel() - float((y ** 2).sum())
+    return torch.where(at_min, torch.full_like(g, (max(leftover, 0.0) / int(at_min.sum())) ** 0.5), y)
+
+
 def error_formula(res, post_norm, divide_by: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Lesson 04b, Part 1: for one layer patched alone with the naive patch (``single_block_patch(...,
     h_source=divide_by)``, its result ``res``), the error formula's prediction, (m + dm)(h_hat - h_C) for

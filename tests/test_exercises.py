@@ -33,7 +33,7 @@ def accepts(check, fn, capsys, **kw):
     return c, out
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root"])
+@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y"])
 def test_a_stub_runs_the_solution_and_says_so(name, capsys):
     c = getattr(ex, f"check_{name}")(stub)
     out = capsys.readouterr().out
@@ -42,7 +42,7 @@ def test_a_stub_runs_the_solution_and_says_so(name, capsys):
     assert "(the solution)" in out
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root"])
+@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y"])
 def test_a_check_run_twice_never_calls_the_solution_yours(name, capsys):
     """Running a check cell again feeds it its own result: after a stub, that is still the package's solution."""
     check = getattr(ex, f"check_{name}")
@@ -664,3 +664,47 @@ def test_algorithm1_rejects_the_recorded_full_context_logits():
             x = tools.theorem1_block(block, x, len(ids) - 1, targets[layer])
         return tools.logits(model, targets[-1].out_C)
     rejects(ex.check_algorithm1, recorded, "recorded full-context output")
+
+
+# ------------------------------------------------------------------------------------------- the hard case (04b)
+def test_hard_case_y_accepts_every_optimal_split(capsys):
+    """The leftover norm may go to the smallest-m^2 coordinates in any split and with any signs: the objective sees
+    only the sum of their squares. The check says whether a split is the engine's."""
+    c, out = accepts(ex.check_hard_case_y, sol.hard_case_y, capsys)
+    assert c.report["engine_choice"] and "the engine's choice" in out
+
+    def all_on_one_negative(g, m):
+        y = sol.hard_case_y(g, m)
+        at_min = (m ** 2 == (m ** 2).min()).nonzero().flatten()
+        y[at_min] = 0.0
+        y[at_min[0]] = -(g.numel() - float((y ** 2).sum())) ** 0.5
+        return y
+
+    c, out = accepts(ex.check_hard_case_y, all_on_one_negative, capsys)
+    assert not c.report["engine_choice"] and "equally optimal" in out
+
+
+def test_hard_case_y_wrong_answers():
+    def no_leftover(g, m):
+        y = sol.hard_case_y(g, m)
+        y[m ** 2 == (m ** 2).min()] = 0.0
+        return y
+
+    def leftover_without_root(g, m):
+        y = no_leftover(g, m)
+        at_min = m ** 2 == (m ** 2).min()
+        y[at_min] = (g.numel() - float((y ** 2).sum())) / int(at_min.sum())
+        return y
+
+    def leftover_everywhere(g, m):
+        y = no_leftover(g, m)
+        return y * (g.numel() / float((y ** 2).sum())) ** 0.5
+
+    def formula_everywhere(g, m):
+        return g * m / (m ** 2 - (m ** 2).min())
+
+    rejects(ex.check_hard_case_y, no_leftover, "mean(y²)", "leftover norm")
+    rejects(ex.check_hard_case_y, leftover_without_root, "mean(y²)", "leftover")
+    rejects(ex.check_hard_case_y, leftover_everywhere, "not g_k m_k / (m_k² − μ)", "did the leftover go")
+    rejects(ex.check_hard_case_y, formula_everywhere, "not finite", "leftover norm instead")
+    rejects(ex.check_hard_case_y, lambda g, m: sol.hard_case_y(g, m)[:-1], "shape")
