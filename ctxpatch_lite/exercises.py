@@ -30,8 +30,12 @@ check                  the property                                     typical 
                        any scale of h_target (says the paper's)         dividing by m
 ``check_naive_miss``   the naive patch's miss from m, dm, h_hat - h_C    the sign, the divisors' formulas swapped, the
                        alone, equal to output minus target              m term dropped
-``check_error_``       04b: the formula's prediction and the measured   w for m = 1 + w, either sign flipped, the actual
-``formula``            miss, on every layer of a tiny bfloat16 model    divisor's formula, h_hat for h_hat - h_C
+``check_patched_``     03: given patches on any input: the full-        m = w, the unpatched MLP, no dm, the residual
+``layer``              context output on the input they were built for  from x, exact GELU, no epsilon
+``check_bf16_step``    04b: the bfloat16 spacing at |x|, exactly        log2 in float32 below a power of two, 8 bits,
+                       (powers of two and their neighbours included)    half a step, the sign, 0
+``check_hard_case_y``  04b: mu = min m^2, the formula away from it,     the leftover dropped, spread over every
+                       mean(y^2) = 1 (any split of the leftover)        coordinate, split without a square root
 =====================  ===============================================  =================================================
 """
 from __future__ import annotations
@@ -688,6 +692,70 @@ def check_theorem1_block(fn: Callable | None, cases: list | None = None) -> Chec
 TOOLS = make_tools()
 
 
+def check_patched_layer(fn: Callable | None, cases: list | None = None) -> Checked:
+    """03: ``fn(block, x, position, patches)`` must run layer ``block`` on the row ``x`` alone with the given
+    ``patches = (dW_gate, dW_up, dm)`` applied as they are: out = v + (m + dm) N(W_down h_g) of the patched MLP on the
+    z of this ``x``. Checked on every layer of a tiny float64 Gemma 3: with patches built (by Theorem 1) for the
+    full-context input x_C, the layer run on x_C must give the full-context output; run on another row (the query's
+    own embedding, as the ideal schedule does at layer 0 and beyond), it must give what those same patches compute
+    there, which is not the full-context output."""
+    cases = cases or _algorithm1_cases()
+    gelu = torch.nn.functional.gelu
+    model, ids = cases[0]
+    t0, p0 = full_context_targets(model, ids)[0], len(ids) - 1
+    _, patches0 = solutions.theorem1_block(blocks(model)[0], t0.x_C, p0, t0)
+    fn, own = _begin("patched_layer", fn, (blocks(model)[0], t0.x_C, p0, patches0))
+    worst, moved = 0.0, 0.0
+    for model, ids in cases:
+        targets, p = full_context_targets(model, ids), len(ids) - 1
+        x_alone = query_embedding(model, ids)
+        for l, (block, t) in enumerate(zip(blocks(model), targets)):
+            _, patches = solutions.theorem1_block(block, t.x_C, p, t)            # built for the full-context input
+            for x, name in ((t.x_C, "the input they were built for (x_C)"), (x_alone, "another input")):
+                out = _call(fn, (block, x, p, tuple(q.clone() for q in patches)), "patched_layer")
+                if not isinstance(out, torch.Tensor) or out.shape != t.out_C.shape:
+                    raise ExerciseError(f"patched_layer must return the output row, shape {tuple(t.out_C.shape)}; got "
+                                        f"{getattr(out, 'shape', type(out).__name__)}")
+                want = solutions.patched_layer(block, x, p, patches)
+                err = _rel(out, want)
+                if err <= 1e-10:
+                    worst = max(worst, err)
+                    continue
+                with torch.no_grad():
+                    tr = block(x[None], positions=torch.tensor([p]))
+                    v, z = tr.v[0], tr.z[0]
+                    n = lambda y: unit_rms(y, block.eps)
+                    dWg, dWu, dm = patches
+                    w = block.norms["post_feedforward_layernorm"]
+                    h = n(block.W_down @ (gelu((block.W_gate + dWg) @ z, approximate="tanh") * ((block.W_up + dWu) @ z)))
+                    h0 = n(block.W_down @ (gelu(block.W_gate @ z, approximate="tanh") * (block.W_up @ z)))
+                    named = {
+                        "Gemma's scale is m = 1 + w: block.norms holds the stored w": v + (w + dm) * h,
+                        "the MLP must use the patched matrices, W_gate + dW_gate and W_up + dW_up": v + (1 + w + dm) * h0,
+                        "the scale patch dm is missing: out = v + (m + dm) ⊙ h": v + (1 + w) * h,
+                        "the residual is v (after attention), not x: out = v + (m + dm) ⊙ h": x + (1 + w + dm) * h,
+                        "N includes the epsilon: h = y / sqrt(mean(y²) + block.eps)": v + (1 + w + dm) * (
+                            (lambda y: y / y.pow(2).mean().sqrt())(block.W_down @ (gelu((block.W_gate + dWg) @ z,
+                            approximate="tanh") * ((block.W_up + dWu) @ z)))),
+                        "Gemma uses the tanh approximation of GELU: gelu(..., approximate='tanh')": v + (1 + w + dm) * n(
+                            block.W_down @ (gelu((block.W_gate + dWg) @ z) * ((block.W_up + dWu) @ z))),
+                    }
+                hint = next((k for k, t_ in named.items() if _rel(out, t_) <= 1e-10), None)
+                raise ExerciseError(f"layer {l}, on {name}: the output differs from v + (m + dm) ⊙ N(W_down h_g) of the "
+                                    f"patched layer by {err:.2e} (relative). " + (hint or "v and z come from running "
+                                    "the block on x; h_g = GELU((W_gate + dW_gate) z) ⊙ (W_up + dW_up) z, with "
+                                    "approximate='tanh'; m = 1 + the stored weight."))
+            moved = max(moved, _rel(solutions.patched_layer(block, x_alone, p, patches), t.out_C))
+    print(f"✓ patched_layer ({_whose(own)}): on every layer of a {len(blocks(model))}-layer Gemma 3 (float64), "
+          f"{len(cases)} prompts: with patches built for the full-context input, it returns the full-context output "
+          f"on that input and what the same patches compute on another (to {worst:.1e}, relative); there they miss "
+          f"the full-context output by up to {moved:.2g}")
+    return Checked("patched_layer", fn, own, {"cases": len(cases), "layers": len(blocks(model)), "max_error": worst,
+                                              "other_input_miss": moved})
+
+
+
+
 def _algorithm1_cases() -> list:
     from .fixtures import tiny_gemma3
 
@@ -1054,69 +1122,65 @@ def check_naive_miss(fn: Callable | None) -> Checked:
     return Checked("naive_miss", fn, own, {"cases": len(cases), "max_error": worst})
 
 
-# ------------------------------------------------------------------------ 04b: the error formula on a real layer
-def _formula_cases() -> list:
-    """(result, post-norm, divisor) of the naive patch, with either divisor, on every layer of a tiny bfloat16
-    Gemma 3: its h_hat differs from h_C by bfloat16 rounding, as on the real model."""
-    from .fixtures import tiny_gemma3
-    from .single_block import single_block_patch
-    model = tiny_gemma3(seed=1, dtype="bfloat16")
-    ids = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]
-    return [(single_block_patch(model, ids, l, h_source=hs), model.model.layers[l].post_feedforward_layernorm, hs)
-            for l in range(model.config.num_hidden_layers) for hs in ("recorded", "actual")]
+# ------------------------------------------------------------------------------------------ 04b: one bfloat16 step
+def _step_cases() -> torch.Tensor:
+    """Values a bfloat16 layer meets: random sizes from 1e-6 to 1e4 of both signs, exact powers of two, the float32
+    numbers just below and above them (where log2 in float32 rounds), and zeros."""
+    g = _gen(500)
+    rand = torch.exp(torch.empty(400).uniform_(math.log(1e-6), math.log(1e4), generator=g))
+    rand = rand * torch.where(torch.rand(400, generator=g) < 0.5, -1.0, 1.0)
+    powers = torch.tensor([2.0 ** k for k in range(-20, 15)])
+    below = torch.nextafter(powers, torch.zeros_like(powers))
+    above = torch.nextafter(powers, torch.full_like(powers, math.inf))
+    return torch.cat([rand, powers, -powers, below, above, torch.zeros(3)]).float()
 
 
-def check_error_formula(fn: Callable | None) -> Checked:
-    """04b: ``fn(res, post_norm, divide_by)`` must return ``(predicted, measured)``: the error formula of lesson 04's
-    Exercise 3, (m + dm)(h_hat - h_C) for "recorded" and m (h_hat - h_C) for "actual", with m = 1 + w, and the
-    patched output minus T(C, x), per coordinate. Any arithmetic at float32 or better passes (1e-4 relative: float32's
-    cancellation in m h_hat - m h_C alone reaches 1.4e-5)."""
-    cases = _formula_cases()
-    fn, own = _begin("error_formula", fn, cases[0])
-    worst = 0.0
-    for res, post, div in cases:
-        out = _call(fn, (res, post, div), "error_formula")
-        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
-            raise ExerciseError("error_formula must return the pair (predicted, measured), two tensors")
-        out = tuple(out)
-        want = solutions.error_formula(res, post, div)
-        if any(t.shape != w.shape for t, w in zip(out, want)):
-            raise ExerciseError(f"predicted and measured are per coordinate: shape {tuple(want[0].shape)}, "
-                                f"got {tuple(out[0].shape)} and {tuple(out[1].shape)}")
-        m, dh, dm = 1.0 + post.weight.float(), res.h.float() - res.h_recorded.float(), res.dm.float()
-        other = "actual" if div == "recorded" else "recorded"
-        for name, got, w, wrong in (
-                ("predicted", out[0], want[0], {
-                    "m = 1 + w: the layer stores w in post_norm.weight, and its scale is 1 + w":
-                        ((post.weight.float() + dm) if div == "recorded" else post.weight.float()) * dh,
-                    "the difference is ĥ − h_C: res.h is what the patched layer computes, res.h_recorded what the "
-                    "full-context pass recorded": -want[0],
-                    f"that is the formula of the other divisor ({other!r}): with divide_by={div!r} the miss is "
-                    + ("(m + Δm)(ĥ − h_C)" if div == "recorded" else "m (ĥ − h_C)"):
-                        solutions.error_formula(res, post, other)[0],
-                    "the formula multiplies the *difference* ĥ − h_C, not ĥ itself":
-                        solutions.naive_miss(m, dm, res.h.float(), div),
-                }),
-                ("measured", out[1], want[1], {
-                    "measured is the patched output minus the target, res.out_patched − res.out_target": -want[1],
-                    "measured is the patched layer's miss against the target res.out_target, not the unpatched "
-                    "layer's": res.out_unpatched.float() - res.out_target.float(),
-                })):
-            err = _rel(got.double(), w.double())
-            if not math.isfinite(err) or err > 1e-4:
-                low = [n for n, t in (("post_norm.weight", post.weight), ("res.h", res.h), ("res.h_recorded",
-                       res.h_recorded), ("res.dm", res.dm), ("res.out_patched", res.out_patched),
-                       ("res.out_target", res.out_target)) if t.dtype == torch.bfloat16]
-                rounding = (f" (the size of a bfloat16 rounding: {', '.join(low)} are bfloat16; cast each to float32 "
-                            f"before the arithmetic, e.g. 1.0 + post_norm.weight.float(), not after it)"
-                            ) if math.isfinite(err) and err < 2e-2 and low else ""
-                raise ExerciseError(_hint(got.float(), wrong, 1e-4)
-                                    or f"{name} differs from the reference by {err:.2e} (relative) on layer "
-                                       f"{res.layer}, divide_by={div!r}{rounding}")
-            worst = max(worst, err)
-    print(f"✓ error_formula ({_whose(own)}): the prediction and the measured miss, for both divisors on all "
-          f"{len(cases) // 2} layers of a tiny bfloat16 Gemma 3 (largest relative difference {worst:.1e})")
-    return Checked("error_formula", fn, own, {"cases": len(cases), "max_error": worst})
+def check_bf16_step(fn: Callable | None) -> Checked:
+    """04b: ``fn(x)`` must return, for every value of the float32 tensor ``x``, the spacing of bfloat16 numbers at
+    |x| (2^(e - 7) for |x| in [2^e, 2^(e+1))), and 0 where x is 0. Checked exactly (these are powers of two) on values
+    from 1e-6 to 1e4, exact powers of two and the float32 numbers just below and above them."""
+    x = _step_cases()
+    fn, own = _begin("bf16_step", fn, (x,))
+    out = _call(fn, (x.clone(),), "bf16_step")
+    want = solutions.bf16_step(x)
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        raise ExerciseError(f"bf16_step must return a tensor of x's shape {tuple(x.shape)} (one step per value); got "
+                            f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
+    out = out.double()
+    w = want.double()
+    bad = ~((out == w) | (out.isnan() & w.isnan()))
+    if bool(bad.any()):
+        zero = x == 0
+        if bool((bad & zero).any()):
+            raise ExerciseError("at x = 0 return 0 (0 has no binade: log2(0) is -inf; the lesson's tables never "
+                                "divide by this step)")
+        if bool((bad & (x < 0)).any()) and not bool((bad & (x > 0)).any()):
+            raise ExerciseError("negative values go wrong: the step depends on |x| only (take the absolute value)")
+        nz = ~zero
+        ratio = out[nz] / w[nz]
+        for r, hint in ((2.0, "that is twice the step: bfloat16 keeps 7 bits after the leading one (8 significant "
+                              "bits), so the step at |x| in [2^e, 2^(e+1)) is 2^(e - 7), not 2^(e - 6)"),
+                        (0.5, "that is half the step (the largest rounding error, or 8 bits after the leading one): "
+                              "the step at |x| in [2^e, 2^(e+1)) is 2^(e - 7)"),
+                        (2.0 ** -16, "that is float32's step (23 bits): bfloat16 keeps 7 bits after the leading one")):
+            if bool((ratio == r).all()):
+                raise ExerciseError(hint)
+        below = torch.isin(x.abs(), torch.nextafter(torch.tensor([2.0 ** k for k in range(-20, 15)]),
+                                                    torch.zeros(35)))
+        if bool(bad[nz & ~below].logical_not().all()) and bool(bad[below].any()):
+            k = int((bad & below).nonzero()[0])
+            raise ExerciseError(f"wrong just below a power of two: at x = {float(x[k]):.9g} (just below "
+                                f"2^{round(math.log2(abs(float(x[k]))))}) the step is {float(w[k]):.3g}, you "
+                                f"return {float(out[k]):.3g}. log2 in float32 rounds such a value up to the power of "
+                                "two, so floor(log2|x|) comes out one too high: use torch.frexp (its exponent is exact), "
+                                "or log2 in float64")
+        k = int(bad.nonzero()[0])
+        raise ExerciseError(f"at x = {float(x[k]):.9g} the step is {float(w[k]):.6g} = 2^{int(math.log2(float(w[k])))}"
+                            f" (|x| = f 2^e with 1 <= f < 2 gives 2^(e - 7)); you return {float(out[k]):.6g}. "
+                            "Is it floor(log2|x|), not round or ceil?")
+    print(f"✓ bf16_step ({_whose(own)}): the bfloat16 step at all {x.numel()} values (random sizes of both signs, exact "
+          f"powers of two and the float32 numbers just below and above them, zeros), exactly")
+    return Checked("bf16_step", fn, own, {"values": x.numel()})
 
 
 # ---------------------------------------------------------------------------------------- 04b: the hard case of step 2

@@ -37,8 +37,9 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
     ``zero_scales``: layer -> count of ``m_k == 0``), and the median over steps of the patches' norms
     (``dm_norm``, ``matrix_norm``, and their root-sum-square ``total_norm``), each norm taken over all layers; and
     ``steps``, one record per prompt and step in that order (its token match, L_inf, the baseline's margin in steps
-    as in ``lost``, and each layer's ``block_error``), so that a lesson can take one step apart without running it
-    again.
+    as in ``lost``, each layer's ``block_error``, the norm its fallbacks left out, ``miss``, and ``dv_norm``, the norm
+    of v_C - v over all layers: what the context did to that token, the scale of its ``miss``), so that a lesson can
+    take one step apart without running it again.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be at least 1 (got {tokens})")
@@ -85,7 +86,10 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
             "total_norm": med([math.hypot(x["matrix_norm"], x["dm_norm"]) for x in d]),
             "steps": [{"prompt": p["id"], "step": st["step"], "match": st["match"], "linf": st["linf"],
                        "ulps": margin_in_ulps(st, dtype),
-                       "block_error": list(st["diagnostics"]["per_layer"]["block_error"])}
+                       "block_error": list(st["diagnostics"]["per_layer"]["block_error"]),
+                       "miss": st["diagnostics"]["fallback_miss"],
+                       "dv_norm": math.sqrt(sum(x * x for x in st["diagnostics"]["per_layer"]["dv_norm"]
+                                                if not math.isnan(x)))}
                       for p, r in zip(prompts, rs) for st in r["steps"]]})
     bar.close()
     return rows

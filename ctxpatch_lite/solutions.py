@@ -13,9 +13,13 @@ lesson                   the function you write                             the 
 03 Algorithm 1           ``theorem1_block(block, x, position, target)``     ``exercises.check_theorem1_block``
                          ``-> (out, (dW_gate, dW_up, dm))``
 03                       ``algorithm1(model, ids, tools) -> logits``        ``exercises.check_algorithm1``
+03                       ``patched_layer(block, x, position, patches)``     ``exercises.check_patched_layer``
 04 Appendix B            ``secular_root(g, m) -> mu``                       ``exercises.check_secular_root``
 04                       ``stable_patch(g, m, mu, h_g_C, h_down_C, eps)``   ``exercises.check_stable_patch``
                          ``-> (dW_down, dm)``
+04                       ``naive_miss(m, dm, dh, divide_by)``               ``exercises.check_naive_miss``
+04b bfloat16 up close    ``bf16_step(x)``                                   ``exercises.check_bf16_step``
+04b                      ``hard_case_y(g, m) -> y``                         ``exercises.check_hard_case_y``
 =======================  =================================================  ===========================
 """
 from __future__ import annotations
@@ -81,6 +85,20 @@ def theorem1_block(block, x: torch.Tensor, position: int, target, input_patch=in
     return v + (m + dm) * h, (W_gate - block.W_gate, W_up - block.W_up, dm)
 
 
+def patched_layer(block, x: torch.Tensor, position: int, patches) -> torch.Tensor:
+    """Lesson 03, Exercise 3: layer ``block`` on the row ``x`` alone, with ``patches = (dW_gate, dW_up, dm)`` applied
+    as given, whatever input they were built for: out = v + (m + dm) N(W_down h_g), where v and z come from ``x`` and
+    h_g = GELU((W_gate + dW_gate) z) (W_up + dW_up) z. Built for this very ``x``, the patches give Theorem 1's
+    output; built for another input (the ideal schedule), they miss it."""
+    dW_gate, dW_up, dm = patches
+    tr = block(x[None], positions=torch.tensor([position]))
+    v, z = tr.v[0], tr.z[0]
+    h_g = torch.nn.functional.gelu((block.W_gate + dW_gate) @ z, approximate="tanh") * ((block.W_up + dW_up) @ z)
+    y = block.W_down @ h_g
+    h = y / torch.sqrt(y.pow(2).mean() + block.eps)                   # N(W_down h_g)
+    return v + (1.0 + block.norms["post_feedforward_layernorm"] + dm) * h
+
+
 def algorithm1(model, ids: list, tools) -> torch.Tensor:
     """Algorithm 1 for the last token of ``ids``: every layer patched from the actual output of the patched layer
     below, on the query alone; returns the next-token logits."""
@@ -135,6 +153,16 @@ def naive_miss(m: torch.Tensor, dm: torch.Tensor, dh: torch.Tensor, divide_by: s
     return (m + dm) * dh if divide_by == "recorded" else m * dh
 
 
+def bf16_step(x: torch.Tensor) -> torch.Tensor:
+    """Lesson 04b, Exercise 1: the spacing of bfloat16 numbers at each |x| (one bfloat16 step), as float32: with
+    |x| = f 2^e, 1 <= f < 2, the step is 2^(e - 7), since bfloat16 keeps 7 bits after the leading one; 0 where x is
+    0. frexp gives e exactly (x = f' 2^e' with 0.5 <= f' < 1, so e = e' - 1), where log2 in float32 can round a value
+    just below a power of two up to it."""
+    x = x.float()
+    step = torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 1 - 7)
+    return torch.where(x == 0, torch.zeros_like(step), step)
+
+
 def hard_case_y(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Lesson 04b, Part 2: Appendix B's step-2 minimiser in the *hard case* (no root of F below min m^2: every
     coordinate of smallest m_k^2 has g_k m_k = 0, and F <= 0 at min m^2 without them). mu = min m^2; every other
@@ -146,15 +174,3 @@ def hard_case_y(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     y = torch.where(at_min, torch.zeros_like(g), g * m / torch.where(at_min, torch.ones_like(m2), m2 - m2.min()))
     leftover = g.numel() - float((y ** 2).sum())
     return torch.where(at_min, torch.full_like(g, (max(leftover, 0.0) / int(at_min.sum())) ** 0.5), y)
-
-
-def error_formula(res, post_norm, divide_by: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lesson 04b, Part 1: for one layer patched alone with the naive patch (``single_block_patch(...,
-    h_source=divide_by)``, its result ``res``), the error formula's prediction, (m + dm)(h_hat - h_C) for
-    ``"recorded"`` and m (h_hat - h_C) for ``"actual"`` (lesson 04's Exercise 3), and the measured miss of the patched
-    output against T(C, x), both per coordinate in float32. ``post_norm`` is the layer's post-feed-forward RMSNorm:
-    its scale is m = 1 + weight (Gemma stores w)."""
-    predicted = naive_miss(1.0 + post_norm.weight.float(), res.dm.float(), res.h.float() - res.h_recorded.float(),
-                           divide_by)
-    measured = res.out_patched.float() - res.out_target.float()
-    return predicted, measured

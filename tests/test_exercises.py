@@ -33,7 +33,8 @@ def accepts(check, fn, capsys, **kw):
     return c, out
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y"])
+@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y",
+                                  "patched_layer", "bf16_step"])
 def test_a_stub_runs_the_solution_and_says_so(name, capsys):
     c = getattr(ex, f"check_{name}")(stub)
     out = capsys.readouterr().out
@@ -42,7 +43,8 @@ def test_a_stub_runs_the_solution_and_says_so(name, capsys):
     assert "(the solution)" in out
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y"])
+@pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y",
+                                  "patched_layer", "bf16_step"])
 def test_a_check_run_twice_never_calls_the_solution_yours(name, capsys):
     """Running a check cell again feeds it its own result: after a stub, that is still the package's solution."""
     check = getattr(ex, f"check_{name}")
@@ -572,63 +574,6 @@ def test_naive_miss_wrong_answers():
     rejects(ex.check_naive_miss, lambda m, dm, dh, div: sol.naive_miss(m, dm, dh, div)[:-1], "m's shape")
 
 
-# ----------------------------------------------------------------------------------- error formula (04b, Part 1)
-def test_error_formula_accepts_every_correct_answer(capsys):
-    def in_float64(res, post, div):
-        m = 1.0 + post.weight.double()
-        f = m + res.dm.double() if div == "recorded" else m
-        return f * (res.h.double() - res.h_recorded.double()), res.out_patched.double() - res.out_target.double()
-
-    def from_target_minus(res, post, div):                  # the same numbers, written the other way round
-        m = 1.0 + post.weight.float()
-        f = m + res.dm if div == "recorded" else m
-        return -f * (res.h_recorded - res.h), -(res.out_target.float() - res.out_patched.float())
-
-    def as_list(res, post, div):                            # a list is a pair too
-        return list(sol.error_formula(res, post, div))
-
-    def expanded(res, post, div):                           # m h_hat - m h_C: float32 cancellation, still right
-        m = 1.0 + post.weight.float()
-        f = m + res.dm.float() if div == "recorded" else m
-        return f * res.h.float() - f * res.h_recorded.float(), res.out_patched.float() - res.out_target.float()
-
-    for fn in (sol.error_formula, in_float64, from_target_minus, as_list, expanded):
-        c, out = accepts(ex.check_error_formula, fn, capsys)
-        assert c.report["cases"] == 8 and "tiny bfloat16" in out
-    c = ex.check_error_formula(stub)
-    assert not c.own and "error_formula is not written yet" in capsys.readouterr().out
-
-
-def test_error_formula_wrong_answers():
-    def pm(res, post, div, m=None, dh=None, measured=None, factor=None):
-        m = 1.0 + post.weight.float() if m is None else m
-        dh = res.h - res.h_recorded if dh is None else dh
-        f = factor if factor is not None else (m + res.dm if div == "recorded" else m)
-        return f * dh, (res.out_patched.float() - res.out_target.float()) if measured is None else measured
-    rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d, m=p.weight.float()), "m = 1 + w")
-    rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d, dh=r.h_recorded - r.h), "ĥ − h_C")
-    rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d, factor=1 + p.weight.float()),
-            "the formula of the other divisor ('actual')")
-    rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d, factor=1 + p.weight.float() + r.dm),
-            "the formula of the other divisor ('recorded')")
-    rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d, dh=r.h), "not ĥ itself")
-    rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d, measured=r.out_target.float() - r.out_patched.float()),
-            "patched output minus the target")
-    rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d, measured=r.out_unpatched.float() - r.out_target.float()),
-            "not the unpatched")
-    rejects(ex.check_error_formula, lambda r, p, d: pm(r, p, d)[0], "the pair")
-
-
-def test_error_formula_names_bfloat16_arithmetic():
-    """The natural first answer computes m and the miss in the layer's bfloat16 and casts at the end: the check
-    says to cast first."""
-    def late_cast(res, post, div):
-        m = 1.0 + post.weight                                              # bfloat16
-        f = m + res.dm.to(m.dtype) if div == "recorded" else m
-        return (f * (res.h - res.h_recorded).to(m.dtype)).float(), (res.out_patched - res.out_target).float()
-    rejects(ex.check_error_formula, late_cast, "bfloat16 rounding", "before the arithmetic")
-
-
 def test_a_written_function_calling_a_stub_is_named_not_replaced():
     """In a notebook (module __main__), a written function calling a helper that is still a stub."""
     cell = {"__name__": "__main__"}
@@ -708,3 +653,78 @@ def test_hard_case_y_wrong_answers():
     rejects(ex.check_hard_case_y, leftover_everywhere, "not g_k m_k / (m_k² − μ)", "did the leftover go")
     rejects(ex.check_hard_case_y, formula_everywhere, "not finite", "leftover norm instead")
     rejects(ex.check_hard_case_y, lambda g, m: sol.hard_case_y(g, m)[:-1], "shape")
+
+
+# ------------------------------------------------------------------------------------------ patched layer (03)
+def test_patched_layer_accepts_correct_answers(capsys):
+    def written_otherwise(block, x, position, patches):
+        dWg, dWu, dm = patches
+        tr = block(x[None], positions=torch.tensor([position]))
+        v, z = tr.v[0], tr.z[0]
+        F = torch.nn.functional
+        h_g = F.gelu(F.linear(z, block.W_gate) + dWg @ z, approximate="tanh") * (F.linear(z, block.W_up) + dWu @ z)
+        y = F.linear(h_g, block.W_down)
+        return v + (1.0 + block.norms["post_feedforward_layernorm"]) * (y * torch.rsqrt(y.pow(2).mean() + block.eps)) \
+            + dm * y / torch.sqrt(y.pow(2).mean() + block.eps)
+
+    c, out = accepts(ex.check_patched_layer, sol.patched_layer, capsys)
+    assert c.report["other_input_miss"] > 1e-3        # patches built for x_C do not fit the query's own input
+    accepts(ex.check_patched_layer, written_otherwise, capsys)
+
+
+def test_patched_layer_wrong_answers():
+    F = torch.nn.functional
+
+    def variant(scale_w=False, unpatched=False, no_dm=False, residual_x=False, exact_gelu=False, no_eps=False):
+        def fn(block, x, position, patches):
+            dWg, dWu, dm = patches
+            tr = block(x[None], positions=torch.tensor([position]))
+            v, z = tr.v[0], tr.z[0]
+            Wg, Wu = (block.W_gate, block.W_up) if unpatched else (block.W_gate + dWg, block.W_up + dWu)
+            h_g = (F.gelu(Wg @ z) if exact_gelu else F.gelu(Wg @ z, approximate="tanh")) * (Wu @ z)
+            y = block.W_down @ h_g
+            h = y / torch.sqrt(y.pow(2).mean() + (0.0 if no_eps else block.eps))
+            w = block.norms["post_feedforward_layernorm"]
+            m = w if scale_w else 1.0 + w
+            return (x if residual_x else v) + (m + (0.0 if no_dm else dm)) * h
+        return fn
+
+    rejects(ex.check_patched_layer, variant(scale_w=True), "m = 1 + w")
+    rejects(ex.check_patched_layer, variant(unpatched=True), "patched matrices")
+    rejects(ex.check_patched_layer, variant(no_dm=True), "dm is missing")
+    rejects(ex.check_patched_layer, variant(residual_x=True), "residual is v")
+    rejects(ex.check_patched_layer, variant(exact_gelu=True), "tanh")
+    rejects(ex.check_patched_layer, variant(no_eps=True), "epsilon")
+    rejects(ex.check_patched_layer, lambda b, x, p, patches: patches[2][:-1], "shape")
+
+
+# ------------------------------------------------------------------------------------------- one bfloat16 step (04b)
+def test_bf16_step_accepts_correct_answers(capsys):
+    def by_log2_in_float64(x):
+        e = torch.floor(torch.log2(x.double().abs()))
+        return torch.where(x == 0, torch.zeros_like(x), (2.0 ** (e - 7)).float())
+
+    accepts(ex.check_bf16_step, sol.bf16_step, capsys)
+    accepts(ex.check_bf16_step, by_log2_in_float64, capsys)
+
+
+def test_bf16_step_wrong_answers():
+    def step(bits=7, log2_f32=False, zero=True, absolute=True, half=False):
+        def fn(x):
+            a = x.abs() if absolute else x
+            e = torch.floor(torch.log2(a)) if log2_f32 else torch.floor(torch.log2(a.double())).float()
+            out = 2.0 ** (e - bits) * (0.5 if half else 1.0)
+            return torch.where(x == 0, torch.zeros_like(x), out) if zero else out
+        return fn
+
+    rejects(ex.check_bf16_step, step(log2_f32=True), "just below a power of two", "frexp")
+    rejects(ex.check_bf16_step, step(bits=6), "twice the step")
+    rejects(ex.check_bf16_step, step(bits=8), "half the step")
+    rejects(ex.check_bf16_step, step(half=True), "half the step")
+    rejects(ex.check_bf16_step, step(bits=23), "float32's step")
+    accepts_zero = step(zero=False)(torch.zeros(1))          # 2^(-inf) is 0 already: no guard needed
+    assert float(accepts_zero[0]) == 0.0
+    rejects(ex.check_bf16_step, lambda x: torch.where(x == 0, torch.full_like(x, float("nan")), sol.bf16_step(x)),
+            "at x = 0 return 0")
+    rejects(ex.check_bf16_step, step(absolute=False), "negative values")
+    rejects(ex.check_bf16_step, lambda x: sol.bf16_step(x)[:-1], "shape")

@@ -64,6 +64,8 @@ def test_variant_runs_rows_on_a_tiny_model(tiny32):
         assert [(x["prompt"], x["step"]) for x in r["steps"]] == [(p, i) for p in ("a", "b") for i in range(3)]
         assert sum(x["match"] for x in r["steps"]) == r["n_match"]
         assert all(len(x["block_error"]) == tiny32.config.num_hidden_layers for x in r["steps"])
+        assert max(x["miss"] for x in r["steps"]) == r["miss"]          # the row's miss is its worst step's
+        assert all(x["dv_norm"] > 0 and x["miss"] >= 0 for x in r["steps"])
     assert rows[0]["n_match"] == 6                            # float32 naive/actual keeps its own greedy tokens
     assert all(r["hard_cases"] == 0 for r in rows[:2])        # the naive variant never solves Appendix B
 
