@@ -160,6 +160,9 @@ def _rms_cases() -> list:
     g = _gen(60)                                  # another eps, where it matters (small x): the argument is used
     out.append(((0.01 * torch.randn(5, 24, generator=g, dtype=torch.float64)).float(),
                 (0.4 * torch.randn(24, generator=g, dtype=torch.float64)).float(), 1e-3))
+    g = _gen(61)                                  # a batch of sequences (2, 5, 24): the mean is over the last axis only
+    out.append(((2.0 * torch.randn(2, 5, 24, generator=g, dtype=torch.float64)).float(),
+                (0.4 * torch.randn(24, generator=g, dtype=torch.float64)).float(), 1e-6))
     return out
 
 
@@ -236,8 +239,8 @@ def check_rms_norm(fn: Callable | None) -> Checked:
                                         f" (relative): y = x / sqrt(mean(x², last axis) + eps) * (1 + w), in float32")
         worst = max(worst, _rel(out, want))
     print(f"✓ rms_norm ({_whose(own)}) equals Gemma's RMSNorm on {len(cases)} cases (transformers' Gemma3RMSNorm in "
-          f"float32, with a small x where eps matters, and bfloat16 bit for bit; the same formula in float64 on a "
-          f"float64 case); largest relative difference {worst:.1e}")
+          f"float32, with a small x where eps matters and a batch of sequences, and bfloat16 bit for bit; the same "
+          f"formula in float64 on a float64 case); largest relative difference {worst:.1e}")
     if float32_inside:
         print("  note: on the float64 case yours computes in float32, as transformers' class does (x.float()); the "
               "course's solution keeps a float64 input in float64. Both are accepted.")
@@ -664,7 +667,12 @@ def check_theorem1_block(fn: Callable | None, cases: list | None = None) -> Chec
                              "z, then h = N(W_down h_g), and build Δm and the output on that h.": v + (m + dm) * h0,
                              "Gemma uses the tanh approximation of GELU: gelu(..., approximate='tanh').":
                                  v + (m + dm) * n(block.W_down @ (gelu((block.W_gate + dWg) @ z)
-                                                                  * ((block.W_up + dWu) @ z)))}
+                                                                  * ((block.W_up + dWu) @ z))),
+                             "Gemma's MLP gates with GELU (tanh approximation), not SiLU.":
+                                 v + (m + dm) * n(block.W_down @ (torch.nn.functional.silu((block.W_gate + dWg) @ z)
+                                                                  * ((block.W_up + dWu) @ z))),
+                             "The residual is v, the row after attention, not the layer's input x: out = v + (m + Δm) ⊙ h.":
+                                 t.x_C + (m + dm) * h}
                 hint = next((k for k, t_ in named.items() if _rel(out, t_) < 1e-10), None)
                 raise ExerciseError(f"layer {l}: the returned row is not v + (m + dm) ⊙ h of the patched layer with the "
                                     "returned patches (h = N(W_down h_g) of the patched MLP on z, GELU with "
@@ -678,6 +686,8 @@ def check_theorem1_block(fn: Callable | None, cases: list | None = None) -> Chec
                             "scale patch, Δm = scale_patch(v, target.v_C, h, m)")
                 elif _rel(dm, solutions.scale_patch(v, t.v_C, h0, m)) < 1e-10:
                     hint = "Δm must divide by the h of the *patched* MLP on z (after the input patches), not the unpatched h"
+                elif _rel(-dm, solutions.scale_patch(v, t.v_C, h, m)) < 1e-10:
+                    hint = "Δm has the wrong sign: it must add what the context added, Δm = (v_C − v) ⊘ h"
                 raise ExerciseError(f"layer {l}: the patched output differs from the full-context output by "
                                     f"{err:.2e} (relative). " + (hint or "Build Δm = scale_patch(v, target.v_C, h, m) "
                                     "on h = N(W_down h_g) of the patched MLP on z, with m = 1 + the stored weight."))
@@ -749,7 +759,7 @@ def check_patched_layer(fn: Callable | None, cases: list | None = None) -> Check
     print(f"✓ patched_layer ({_whose(own)}): on every layer of a {len(blocks(model))}-layer Gemma 3 (float64), "
           f"{len(cases)} prompts: with patches built for the full-context input, it returns the full-context output "
           f"on that input and what the same patches compute on another (to {worst:.1e}, relative); there they miss "
-          f"the full-context output by up to {moved:.2g}")
+          f"the full-context output by up to {moved:.2g} (relative)")
     return Checked("patched_layer", fn, own, {"cases": len(cases), "layers": len(blocks(model)), "max_error": worst,
                                               "other_input_miss": moved})
 
@@ -1152,8 +1162,8 @@ def check_bf16_step(fn: Callable | None) -> Checked:
     if bool(bad.any()):
         zero = x == 0
         if bool((bad & zero).any()):
-            raise ExerciseError("at x = 0 return 0 (0 has no binade: log2(0) is -inf; the lesson's tables never "
-                                "divide by this step)")
+            raise ExerciseError("at x = 0 return 0: 0 lies in no interval [2^e, 2^(e+1)) (log2(0) is -inf), and a "
+                                "finite number keeps the tables that use the step readable")
         if bool((bad & (x < 0)).any()) and not bool((bad & (x > 0)).any()):
             raise ExerciseError("negative values go wrong: the step depends on |x| only (take the absolute value)")
         nz = ~zero
@@ -1171,9 +1181,10 @@ def check_bf16_step(fn: Callable | None) -> Checked:
             k = int((bad & below).nonzero()[0])
             raise ExerciseError(f"wrong just below a power of two: at x = {float(x[k]):.9g} (just below "
                                 f"2^{round(math.log2(abs(float(x[k]))))}) the step is {float(w[k]):.3g}, you "
-                                f"return {float(out[k]):.3g}. log2 in float32 rounds such a value up to the power of "
-                                "two, so floor(log2|x|) comes out one too high: use torch.frexp (its exponent is exact), "
-                                "or log2 in float64")
+                                f"return {float(out[k]):.3g}, the step of the next interval up. Such a value lies "
+                                "below 2^e, so its step is 2^(e - 8); log2 in float32 rounds it up to e (and so does "
+                                "rounding x to bfloat16 first). Use torch.frexp (its exponent is exact), or log2 in "
+                                "float64, on x itself")
         k = int(bad.nonzero()[0])
         raise ExerciseError(f"at x = {float(x[k]):.9g} the step is {float(w[k]):.6g} = 2^{int(math.log2(float(w[k])))}"
                             f" (|x| = f 2^e with 1 <= f < 2 gives 2^(e - 7)); you return {float(out[k]):.6g}. "

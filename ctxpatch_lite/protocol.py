@@ -89,6 +89,7 @@ def step_diagnostics(layers: list[int], diag: list[list[float]]) -> dict:
             "min_abs_h": col["min_abs_h"],
             "fallbacks": [int(x) for x in zero_nan(col["fallbacks"])],
             "fallbacks_m0": [int(x) for x in zero_nan(col["fallbacks_m0"])],
+            "fallback_miss": zero_nan(col["fallback_miss"]),          # what each layer's fallbacks left out
             "hard_case": [bool(x) for x in zero_nan(col["hard_case"])],
             "block_error": col["block_error"],
         },

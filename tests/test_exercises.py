@@ -728,3 +728,33 @@ def test_bf16_step_wrong_answers():
             "at x = 0 return 0")
     rejects(ex.check_bf16_step, step(absolute=False), "negative values")
     rejects(ex.check_bf16_step, lambda x: sol.bf16_step(x)[:-1], "shape")
+
+
+def test_theorem1_block_names_silu_a_residual_from_x_and_a_flipped_scale_patch():
+    F = torch.nn.functional
+
+    def variant(act=None, residual_x=False, flip=False):
+        def fn(block, x, position, target):
+            tr = block(x[None], positions=torch.tensor([position]))
+            v, z = tr.v[0], tr.z[0]
+            dWg = sol.input_patch(block.W_gate, z, target.z_C)
+            dWu = sol.input_patch(block.W_up, z, target.z_C)
+            a = act or (lambda t: F.gelu(t, approximate="tanh"))
+            y = block.W_down @ (a((block.W_gate + dWg) @ z) * ((block.W_up + dWu) @ z))
+            h = y / torch.sqrt(y.pow(2).mean() + block.eps)
+            m = 1.0 + block.norms["post_feedforward_layernorm"]
+            dm = sol.scale_patch(v, target.v_C, h, m) * (-1 if flip else 1)
+            return (x if residual_x else v) + (m + dm) * h, (dWg, dWu, dm)
+        return fn
+
+    rejects(ex.check_theorem1_block, variant(act=F.silu), "not SiLU")
+    rejects(ex.check_theorem1_block, variant(residual_x=True), "residual is v")
+    rejects(ex.check_theorem1_block, variant(flip=True), "wrong sign")
+
+
+def test_rms_norm_is_checked_on_a_batch_of_sequences():
+    def last_two_axes(x, w, eps):                  # a mean over axis 1 passes on 2-D inputs, not on (2, 5, 24)
+        xf = x.float()
+        return ((1.0 + w.float()) * xf * torch.rsqrt(xf.pow(2).mean(1, keepdim=True) + eps)).to(x.dtype)
+
+    rejects(ex.check_rms_norm, last_two_axes)

@@ -1,4 +1,6 @@
 """Course helpers and the single-block divisor choice that lesson 04 measures."""
+import math
+
 import pytest
 import torch
 
@@ -66,6 +68,7 @@ def test_variant_runs_rows_on_a_tiny_model(tiny32):
         assert all(len(x["block_error"]) == tiny32.config.num_hidden_layers for x in r["steps"])
         assert max(x["miss"] for x in r["steps"]) == r["miss"]          # the row's miss is its worst step's
         assert all(x["dv_norm"] > 0 and x["miss"] >= 0 for x in r["steps"])
+        assert all(abs(math.hypot(*x["miss_by_layer"]) - x["miss"]) <= 1e-9 * (1 + x["miss"]) for x in r["steps"])
     assert rows[0]["n_match"] == 6                            # float32 naive/actual keeps its own greedy tokens
     assert all(r["hard_cases"] == 0 for r in rows[:2])        # the naive variant never solves Appendix B
 
