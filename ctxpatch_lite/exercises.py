@@ -398,8 +398,9 @@ def _input_wrong(W, z, zc) -> dict:
             torch.outer(W @ (zc - z), z) / z.norm(),
         "The outer product needs the normalisation 1/‖z‖²: without it ΔW z = W(z_C − z)·‖z‖².":
             torch.outer(W @ (zc - z), z),
-        "The right factor must be z, the input the patched matrix sees (the query alone), not z_C: ΔW z must be "
-        "W(z_C − z).": torch.outer(W @ (zc - z), zc) / zc.dot(zc),
+        "With z_C as the right factor, divide by z_C·z, not ‖z_C‖²: ΔW z must be W(z_C − z), and "
+        "W(z_C − z) aᵀz / (aᵀz) is, for any a with aᵀz ≠ 0 (the paper's a = z is the smallest).":
+            torch.outer(W @ (zc - z), zc) / zc.dot(zc),
         "The right factor is z, and so is the normalisation: divide by ‖z‖², not ‖z_C‖².":
             torch.outer(W @ (zc - z), z) / zc.dot(zc),
         "The left factor is the *change* W(z_C − z), not W z_C: the patch adds to W z what it lacks.":
@@ -1049,9 +1050,9 @@ def check_stable_patch(fn: Callable | None) -> Checked:
             elif _rel(dm, r / m) < 1e-9:
                 hint = "divide the remainder by N(h_target), not by m: (m + Δm) ⊙ N(h_target) must equal g"
             elif _rel(dm, -mu / m) < 1e-12:
-                hint = ("Δm = −μ*/m holds when N(h_target) equals y exactly; Gemma's ε inside N moves Δm_k by about "
-                        "m_k ε / (2 RMS(h_target)²), which matters for an h_target of small RMS: compute Δm from the "
-                        "remainder, (g − m ⊙ N(h_target)) ⊘ N(h_target)")
+                hint = ("your Δm is −μ*/m, which is what you get with N(h_target) = y, that is without ε: N includes "
+                        "Gemma's ε, N(t) = t / sqrt(mean(t²) + eps) (the eps argument), and it moves Δm_k by about "
+                        "m_k ε / (2 RMS(h_target)²). Compute Δm = (g − m ⊙ N(h_target)) ⊘ N(h_target) with that N")
             raise ExerciseError(hint or f"(m + Δm) ⊙ N(h_target) should equal g; they differ by {err:.2e} (relative): "
                                         "Δm = (g − m ⊙ N(h_target)) ⊘ N(h_target)")
         c0 = float(h_down_C.pow(2).mean().sqrt())
@@ -1095,7 +1096,7 @@ def _miss_wrong(m, dm, dh, div) -> dict:
     return {
         "the sign: the miss is the patched output minus the target, v + (m + Δm) ⊙ ĥ − (v_C + m ⊙ h_C)":
             -solutions.naive_miss(m, dm, dh, div),
-        f"the two divisors' formulas are swapped: with divide_by={div!r}, Δm ⊙ "
+        f"that is the other divisor's formula: with divide_by={div!r}, Δm ⊙ "
         f"{'h_C' if div == 'recorded' else 'ĥ'} = v_C − v; substitute that into the miss":
             solutions.naive_miss(m, dm, dh, other),
         "the scale m acts on the patched layer's ĥ too: the output is v + (m + Δm) ⊙ ĥ and the target v_C + m ⊙ h_C, "

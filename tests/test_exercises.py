@@ -205,7 +205,7 @@ def test_input_patch_accepts_every_correct_answer(capsys):
 def test_input_patch_wrong_answers():
     rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(W @ (z - zc), z) / z.dot(z), "sign")
     rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(W @ (zc - z), z) / z.norm(), "‖z‖²")
-    rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(W @ (zc - z), zc) / zc.dot(zc), "right factor must be z")
+    rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(W @ (zc - z), zc) / zc.dot(zc), "divide by z_C·z")
     rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(z, W @ (zc - z)) / z.dot(z), "transpose")
     rejects(ex.check_input_patch, lambda W, z, zc: torch.outer(zc - z, z) / z.dot(z), "left factor is W(z_C − z)")
     rejects(ex.check_input_patch, lambda W, z, zc: W @ (zc - z), "W's shape")
@@ -523,7 +523,7 @@ def test_stable_patch_wrong_answers():
     def closed_form(g, m, mu, h_g_C, h_down_C, eps):  # dm = -mu*/m: exact only with eps = 0
         dW, _ = sol.stable_patch(g, m, mu, h_g_C, h_down_C, eps)
         return dW, -mu / m
-    rejects(ex.check_stable_patch, closed_form, "ε inside N")
+    rejects(ex.check_stable_patch, closed_form, "without ε", "N includes")
 
 
 def test_secular_root_accepts_a_root_to_1e9_and_asks_for_a_tighter_stop_near_it(capsys):
@@ -566,8 +566,8 @@ def test_naive_miss_accepts_every_correct_answer(capsys):
 
 def test_naive_miss_wrong_answers():
     rejects(ex.check_naive_miss, lambda m, dm, dh, div: -sol.naive_miss(m, dm, dh, div), "the sign")
-    rejects(ex.check_naive_miss, lambda m, dm, dh, div: (m + dm) * dh, "formulas are swapped")      # actual wrong
-    rejects(ex.check_naive_miss, lambda m, dm, dh, div: m * dh, "formulas are swapped")             # recorded wrong
+    rejects(ex.check_naive_miss, lambda m, dm, dh, div: (m + dm) * dh, "the other divisor's formula")      # actual wrong
+    rejects(ex.check_naive_miss, lambda m, dm, dh, div: m * dh, "the other divisor's formula")             # recorded wrong
     rejects(ex.check_naive_miss, lambda m, dm, dh, div: dm * dh if div == "recorded" else m * dh,
             "m ⊙ (ĥ − h_C) is part of the miss")
     rejects(ex.check_naive_miss, lambda m, dm, dh, div: dm * dh * 0 + dh, "Start from that difference")
