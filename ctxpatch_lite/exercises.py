@@ -605,6 +605,16 @@ def make_tools(input_patch: Callable = solutions.input_patch, scale_patch: Calla
                            logits=logits)
 
 
+class _Known(SimpleNamespace):
+    """The full-context record as the query alone may use it (z_C, v_C): asking for more is named, not a bare
+    AttributeError."""
+
+    def __getattr__(self, name):
+        raise ExerciseError(f"target.{name}: use only target.z_C and target.v_C, what the query alone may know of "
+                            f"the context (the loop's records also hold x_C and out_C, the full-context input and "
+                            f"output, which a procedure on the query alone cannot have)")
+
+
 def check_theorem1_block(fn: Callable | None, cases: list | None = None) -> Checked:
     """03: ``fn(block, x, position, target)`` must return ``(out, (dW_gate, dW_up, dm))``: the output row of
     ``block`` run on the row ``x`` alone, patched by Theorem 1 against ``target`` (its ``z_C`` and ``v_C`` only), and
@@ -622,7 +632,7 @@ def check_theorem1_block(fn: Callable | None, cases: list | None = None) -> Chec
     for model, ids in cases:
         targets, p = full_context_targets(model, ids), len(ids) - 1
         for l, (block, t) in enumerate(zip(blocks(model), targets)):
-            given = SimpleNamespace(z_C=t.z_C, v_C=t.v_C)              # what the query alone may know of the context
+            given = _Known(z_C=t.z_C, v_C=t.v_C)                       # what the query alone may know of the context
             res = _call(fn, (block, t.x_C, p, given), "theorem1_block")
             if not (isinstance(res, (tuple, list)) and len(res) == 2 and isinstance(res[1], (tuple, list))
                     and len(res[1]) == 3):
@@ -758,9 +768,9 @@ def check_patched_layer(fn: Callable | None, cases: list | None = None) -> Check
                                     "approximate='tanh'; m = 1 + the stored weight."))
             moved = max(moved, _rel(solutions.patched_layer(block, x_alone, p, patches), t.out_C))
     print(f"✓ patched_layer ({_whose(own)}): on every layer of a {len(blocks(model))}-layer Gemma 3 (float64), "
-          f"{len(cases)} prompts: with patches built for the full-context input, it returns the full-context output "
-          f"on that input and what the same patches compute on another (to {worst:.1e}, relative); there they miss "
-          f"the full-context output by up to {moved:.2g} (relative)")
+          f"{len(cases)} prompts, with patches built for the full-context input: on that input it returns the "
+          f"full-context output, and on another it returns what those patches compute there (both within {worst:.1e} "
+          f"of the reference, relative), which misses the full-context output by up to {moved:.2g} (relative)")
     return Checked("patched_layer", fn, own, {"cases": len(cases), "layers": len(blocks(model)), "max_error": worst,
                                               "other_input_miss": moved})
 
@@ -891,6 +901,10 @@ def _secular_cases() -> list:
     g = _gen(311)
     m = 0.5 + torch.rand(32, generator=g, dtype=torch.float64)
     out.append((100.0 * torch.randn(32, generator=g, dtype=torch.float64), m))
+    # widely spaced m and a small g: F has roots between its poles too, where a bracket that reaches above min m^2
+    # (to max m^2, say) lets bisection land
+    out.append((torch.tensor([0.05, 0.04, -0.03, 0.02, 0.01], dtype=torch.float64),
+                torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0], dtype=torch.float64)))
     return out
 
 

@@ -758,3 +758,21 @@ def test_rms_norm_is_checked_on_a_batch_of_sequences():
         return ((1.0 + w.float()) * xf * torch.rsqrt(xf.pow(2).mean(1, keepdim=True) + eps)).to(x.dtype)
 
     rejects(ex.check_rms_norm, last_two_axes)
+
+
+def test_theorem1_block_names_a_target_field_the_query_cannot_know():
+    def uses_out_C(block, x, position, target):
+        return target.out_C, None
+
+    rejects(ex.check_theorem1_block, uses_out_C, "target.out_C", "only target.z_C and target.v_C")
+
+
+def test_secular_root_rejects_a_bracket_that_reaches_above_min_m2():
+    def to_max_m2(g, m):                            # bisection on (lo, max m^2): lands between two poles
+        lo, hi = float((m ** 2).min()) - float(((g * m) ** 2).mean().sqrt()) - 1.0, float((m ** 2).max())
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if float(sol.secular(mid, g, m)) < 0 else (lo, mid)
+        return lo
+
+    rejects(ex.check_secular_root, to_max_m2, "not below min m_k²")

@@ -93,3 +93,9 @@ def test_masking_keeps_names_and_words():
             s = re.sub(regex, rep, s)
         ends.append(s)
     assert ends == ["the ratio is N."] * 3
+    ends = []
+    for s in ("largest = 119, then", "largest = 62.3, then", "largest = 1,234, then"):   # a comma after a number stays
+        for regex, rep in pats:
+            s = re.sub(regex, rep, s)
+        ends.append(s)
+    assert ends == ["largest = N, then"] * 3
