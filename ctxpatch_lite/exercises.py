@@ -775,8 +775,6 @@ def check_patched_layer(fn: Callable | None, cases: list | None = None) -> Check
                                               "other_input_miss": moved})
 
 
-
-
 def _algorithm1_cases() -> list:
     from .fixtures import tiny_gemma3
 
