@@ -508,6 +508,13 @@ def check_scale_patch(fn: Callable | None) -> Checked:
             raise ExerciseError(f"Δm is not finite at coordinate {k}, where h_{k} = {float(h[k])}. Where h_i = 0 no "
                                 "scale can act, so any finite Δm_i is correct; the paper divides by 1 there "
                                 "(torch.where(h == 0, 1, h)), and the engine counts each such coordinate as a fallback")
+        f32_max = torch.finfo(torch.float32).max
+        if bool((out.abs() > f32_max).any()):
+            k = int((out.abs() > f32_max).nonzero()[0])
+            raise ExerciseError(f"Δm_{k} = {float(out[k]):.3g} where h_{k} = {float(h[k])}: finite in float64, but "
+                                "infinite once stored in a float32 or bfloat16 model (their largest number is "
+                                f"{f32_max:.2g}). torch.nan_to_num hides the division by zero instead of avoiding it: "
+                                "divide by 1 where h_i = 0 (torch.where(h == 0, 1, h)), as the paper does")
         nz = h != 0
         lhs, rhs = v + (m + out) * h, vc + m * h
         err = float((lhs - rhs)[nz].abs().max() / rhs[nz].abs().max())
@@ -579,10 +586,12 @@ def logits(model, x: torch.Tensor) -> torch.Tensor:
 
 
 def make_tools(input_patch: Callable = solutions.input_patch, scale_patch: Callable = solutions.scale_patch,
-               theorem1_block: Callable | None = None):
+               theorem1_block: Callable | None = None, patched_layer: Callable | None = None):
     """The pieces the Algorithm 1 loop is written with (notebook 03), with ``theorem1_block`` the learner's (checked
     by ``check_theorem1_block``) or one built from the given patch functions (the learner's from notebook 02, or the
-    package's)."""
+    package's). ``tools.theorem1_block`` returns the patched layer's output; ``tools.patches`` the three patches
+    it builds (for the schedules of Exercise 4), and ``tools.patched_layer`` runs a layer with given patches (the
+    learner's, checked by ``check_patched_layer``, or the package's)."""
     from .block import unit_rms
 
     @torch.no_grad()
@@ -599,10 +608,48 @@ def make_tools(input_patch: Callable = solutions.input_patch, scale_patch: Calla
         dm = scale_patch(v.to(h.dtype), target.v_C.to(h.dtype), h, m)
         return (v.to(h.dtype) + (m + dm) * h).to(x.dtype)
 
+    mine = theorem1_block is not None and getattr(theorem1_block, "own", True)
+
+    @torch.no_grad()
+    def patches(block, x: torch.Tensor, position: int, target) -> tuple:
+        """The three patches (dW_gate, dW_up, dm) Theorem 1 builds for the row ``x`` against ``target``."""
+        if mine:
+            return tuple(theorem1_block(block, x, position, target)[1])
+        return solutions.theorem1_block(block, x, position, target, input_patch, scale_patch)[1]
+
+    run_patched = patched_layer if patched_layer is not None and getattr(patched_layer, "own", True) \
+        else solutions.patched_layer
     return SimpleNamespace(blocks=blocks, full_context_targets=full_context_targets, query_embedding=query_embedding,
-                           theorem1_block=(lambda *a: theorem1_block(*a)[0])
-                           if theorem1_block is not None and getattr(theorem1_block, "own", True) else built,
+                           theorem1_block=(lambda *a: theorem1_block(*a)[0]) if mine else built,
+                           patches=patches, patched_layer=torch.no_grad()(lambda *a: run_patched(*a)),
                            logits=logits)
+
+
+def _layer_mistakes(block, x: torch.Tensor, v: torch.Tensor, z: torch.Tensor, patches) -> dict:
+    """The outputs of one patched Gemma layer written with one typical mistake each, keyed by the hint that names
+    it: the checks of ``theorem1_block`` and ``patched_layer`` compare a wrong answer with each. ``v`` and ``z`` are
+    the layer's own, from the row ``x``; ``patches = (dW_gate, dW_up, dm)``."""
+    F = torch.nn.functional
+    dWg, dWu, dm = patches
+    n = lambda y: unit_rms(y, block.eps)                              # N, as every RMSNorm of the engine computes it
+    w = block.norms["post_feedforward_layernorm"]
+    m = 1.0 + w
+
+    def y(act=lambda a: F.gelu(a, approximate="tanh"), patched=True):
+        W_gate, W_up = (block.W_gate + dWg, block.W_up + dWu) if patched else (block.W_gate, block.W_up)
+        return block.W_down @ (act(W_gate @ z) * (W_up @ z))
+    h = n(y())
+    return {
+        "Gemma's scale is m = 1 + w: block.norms holds the stored w.": v + (w + dm) * h,
+        "N includes the epsilon: h = y / sqrt(mean(y²) + block.eps).": v + (m + dm) * (y() / y().pow(2).mean().sqrt()),
+        "Yours is the *unpatched* MLP's h: the MLP must use the patched matrices, W_gate + dW_gate and W_up + dW_up, "
+        "on z, and h = N(W_down h_g) of that patched MLP.": v + (m + dm) * n(y(patched=False)),
+        "Gemma uses the tanh approximation of GELU: gelu(..., approximate='tanh').": v + (m + dm) * n(y(act=F.gelu)),
+        "Gemma's MLP gates with GELU (tanh approximation), not SiLU.": v + (m + dm) * n(y(act=F.silu)),
+        "The residual is v, the row after attention, not the layer's input x: out = v + (m + Δm) ⊙ h.":
+            x + (m + dm) * h,
+        "The scale patch dm is missing: out = v + (m + Δm) ⊙ h.": v + m * h,
+    }
 
 
 class _Known(SimpleNamespace):
@@ -668,22 +715,7 @@ def check_theorem1_block(fn: Callable | None, cases: list | None = None) -> Chec
                                     f"{getattr(out, 'shape', type(out).__name__)}")
             if _rel(out, rebuilt) > 1e-10:
                 with torch.no_grad():
-                    y_ = block.W_down @ (gelu((block.W_gate + dWg) @ z, approximate="tanh") * ((block.W_up + dWu) @ z))
-                    w_ = block.norms["post_feedforward_layernorm"]
-                    h0 = n(block.W_down @ (gelu(block.W_gate @ z, approximate="tanh") * (block.W_up @ z)))
-                    named = {"Gemma's scale is m = 1 + w: block.norms holds the stored w.": v + (w_ + dm) * h,
-                             "N includes the epsilon: h = y / sqrt(mean(y²) + block.eps).":
-                                 v + (m + dm) * (y_ / y_.pow(2).mean().sqrt()),
-                             "Yours is the *unpatched* MLP's h: compute h_g with W_gate + dW_gate and W_up + dW_up on "
-                             "z, then h = N(W_down h_g), and build Δm and the output on that h.": v + (m + dm) * h0,
-                             "Gemma uses the tanh approximation of GELU: gelu(..., approximate='tanh').":
-                                 v + (m + dm) * n(block.W_down @ (gelu((block.W_gate + dWg) @ z)
-                                                                  * ((block.W_up + dWu) @ z))),
-                             "Gemma's MLP gates with GELU (tanh approximation), not SiLU.":
-                                 v + (m + dm) * n(block.W_down @ (torch.nn.functional.silu((block.W_gate + dWg) @ z)
-                                                                  * ((block.W_up + dWu) @ z))),
-                             "The residual is v, the row after attention, not the layer's input x: out = v + (m + Δm) ⊙ h.":
-                                 t.x_C + (m + dm) * h}
+                    named = _layer_mistakes(block, t.x_C, v, z, (dWg, dWu, dm))
                 hint = next((k for k, t_ in named.items() if _rel(out, t_) < 1e-10), None)
                 raise ExerciseError(f"layer {l}: the returned row is not v + (m + dm) ⊙ h of the patched layer with the "
                                     "returned patches (h = N(W_down h_g) of the patched MLP on z, GELU with "
@@ -721,7 +753,6 @@ def check_patched_layer(fn: Callable | None, cases: list | None = None) -> Check
     own embedding, as the ideal schedule does at layer 0 and beyond), it must give what those same patches compute
     there, which is not the full-context output."""
     cases = cases or _algorithm1_cases()
-    gelu = torch.nn.functional.gelu
     model, ids = cases[0]
     t0, p0 = full_context_targets(model, ids)[0], len(ids) - 1
     _, patches0 = solutions.theorem1_block(blocks(model)[0], t0.x_C, p0, t0)
@@ -744,23 +775,7 @@ def check_patched_layer(fn: Callable | None, cases: list | None = None) -> Check
                     continue
                 with torch.no_grad():
                     tr = block(x[None], positions=torch.tensor([p]))
-                    v, z = tr.v[0], tr.z[0]
-                    n = lambda y: unit_rms(y, block.eps)
-                    dWg, dWu, dm = patches
-                    w = block.norms["post_feedforward_layernorm"]
-                    h = n(block.W_down @ (gelu((block.W_gate + dWg) @ z, approximate="tanh") * ((block.W_up + dWu) @ z)))
-                    h0 = n(block.W_down @ (gelu(block.W_gate @ z, approximate="tanh") * (block.W_up @ z)))
-                    named = {
-                        "Gemma's scale is m = 1 + w: block.norms holds the stored w": v + (w + dm) * h,
-                        "the MLP must use the patched matrices, W_gate + dW_gate and W_up + dW_up": v + (1 + w + dm) * h0,
-                        "the scale patch dm is missing: out = v + (m + dm) ⊙ h": v + (1 + w) * h,
-                        "the residual is v (after attention), not x: out = v + (m + dm) ⊙ h": x + (1 + w + dm) * h,
-                        "N includes the epsilon: h = y / sqrt(mean(y²) + block.eps)": v + (1 + w + dm) * (
-                            (lambda y: y / y.pow(2).mean().sqrt())(block.W_down @ (gelu((block.W_gate + dWg) @ z,
-                            approximate="tanh") * ((block.W_up + dWu) @ z)))),
-                        "Gemma uses the tanh approximation of GELU: gelu(..., approximate='tanh')": v + (1 + w + dm) * n(
-                            block.W_down @ (gelu((block.W_gate + dWg) @ z) * ((block.W_up + dWu) @ z))),
-                    }
+                    named = _layer_mistakes(block, x, tr.v[0], tr.z[0], patches)
                 hint = next((k for k, t_ in named.items() if _rel(out, t_) <= 1e-10), None)
                 raise ExerciseError(f"layer {l}, on {name}: the output differs from v + (m + dm) ⊙ N(W_down h_g) of the "
                                     f"patched layer by {err:.2e} (relative). " + (hint or "v and z come from running "
@@ -872,16 +887,117 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
     print(f"✓ algorithm1 ({_whose(own)}): {len(cases)} prompts on a {L}-layer Gemma 3 (float64): every layer patched "
           f"from the actual output of the patched layer below; each block's output within {block_worst:.1e} of its "
           f"full-context output (relative, the largest over the prompts), and the logits "
-          + ("identical to the full-context logits" if logit_worst == 0 else
-             f"within {logit_worst:.1e} of the full-context logits (relative)")
-          + " (they pass through transformers' final norm, which computes in float32 even in a float64 model, so "
-          "differences as small as the blocks' are rounded away before the logits)")
+          + ("identical to the full-context logits (the final norm computes in float32, which rounds the blocks' "
+             "differences away)" if logit_worst == 0 else
+             f"within {logit_worst:.1e} of the full-context logits (relative)"))
     if moved:
         print("  note: you ran the query at another position than its own, len(ids) - 1. For one token alone that "
               "changes nothing: its attention has a single key, whose softmax weight is 1 whatever RoPE does to q and "
               "k. The engine keeps the prompt's position, as the paper's setting does.")
     return Checked("algorithm1", fn, own, {"prompts": len(cases), "layers": L, "block_error": block_worst,
                                            "logit_error": logit_worst})
+
+
+def _schedule_spy(tools, built: list, runs: list, whole: list | None = None):
+    """``tools`` that record each tools.patches call (``built``), each tools.patched_layer call (``runs``) and each
+    tools.theorem1_block call (``whole``)."""
+    whole = [] if whole is None else whole
+
+    def theorem1(block, x, position, target):
+        whole.append(block)
+        return tools.theorem1_block(block, x, position, target)
+
+    def patches(block, x, position, target):
+        out = tools.patches(block, x, position, target)
+        built.append(SimpleNamespace(block=block, x=x, target=target, out=out))
+        return out
+
+    def patched_layer(block, x, position, given):
+        out = tools.patched_layer(block, x, position, given)
+        runs.append(SimpleNamespace(block=block, x=x, patches=given, out=out))
+        return out
+    return SimpleNamespace(**{**vars(tools), "patches": patches, "patched_layer": patched_layer,
+                              "theorem1_block": theorem1})
+
+
+def check_run_schedule(fn: Callable | None, tools=None, cases: list | None = None) -> Checked:
+    """03: ``fn(model, ids, targets, ideal, tools)`` must run the last token of ``ids`` alone through every layer and
+    return each layer's output row, in order. Layer l is fed the output of the patched layer below (the query's
+    embedding at layer 0) and runs with patches (``tools.patches``) built for the row it is fed (Algorithm 1) or,
+    with ``ideal``, for the recorded full-context input ``targets[l].x_C``. Checked by watching the calls on a tiny
+    float64 Gemma 3, both schedules, two prompts: what each layer's patches were built for, and what it was fed."""
+    tools = tools or TOOLS
+    cases = cases or _algorithm1_cases()
+    model0, ids0 = cases[0]
+    fn, own = _begin("run_schedule", fn, (model0, list(ids0), full_context_targets(model0, ids0), False, tools))
+    worst = {False: 0.0, True: 0.0}
+    for model, ids in cases:
+        targets, L = full_context_targets(model, ids), len(model.model.layers)
+        x0 = query_embedding(model, ids)
+        for ideal in (False, True):
+            name = "ideal=True (the ideal schedule)" if ideal else "ideal=False (Algorithm 1)"
+            built, runs, whole = [], [], []
+            outs = _call(fn, (model, list(ids), targets, ideal, _schedule_spy(tools, built, runs, whole)),
+                         "run_schedule")
+            if whole:
+                raise ExerciseError(f"{name}: {len(whole)} layers ran through tools.theorem1_block, which builds the "
+                                    "patches and runs the layer in one call, so nothing shows what the patches were "
+                                    "built for. Run both schedules the same way: patches = tools.patches(block, "
+                                    "built_for, position, t), then x = tools.patched_layer(block, x, position, "
+                                    "patches); only built_for differs")
+            if len(runs) != L:
+                raise ExerciseError(f"{name}: {len(runs)} calls of tools.patched_layer, but the model has {L} layers: "
+                                    "run every layer, in order, as x = tools.patched_layer(block, x, position, "
+                                    "patches), with patches = tools.patches(block, built_for, position, targets[l])")
+            if not isinstance(outs, (list, tuple)) or len(outs) != L:
+                raise ExerciseError(f"{name}: return the list of the {L} layers' output rows, in order (got "
+                                    f"{type(outs).__name__}{'' if not hasattr(outs, '__len__') else f' of {len(outs)}'})")
+            for k, (r, t) in enumerate(zip(runs, targets)):
+                if r.block.W_gate is not model.model.layers[k].mlp.gate_proj.weight:
+                    raise ExerciseError(f"{name}: call {k} of tools.patched_layer got the block of another layer: "
+                                        "run the layers in order (for block, t in zip(tools.blocks(model), targets))")
+                below = x0 if k == 0 else runs[k - 1].out
+                if not torch.equal(r.x, below):
+                    if k and torch.equal(r.x, t.x_C):
+                        raise ExerciseError(f"{name}: layer {k} was fed the recorded full-context input x_C. That is "
+                                            "the oracle schedule (lesson 05), which the query alone cannot run: both "
+                                            "schedules feed each layer the output of the patched layer below")
+                    if k and torch.equal(r.x, x0):
+                        raise ExerciseError(f"{name}: layer {k} was fed the query embedding again: pass each layer's "
+                                            "output on (x = tools.patched_layer(block, x, ...))")
+                    raise ExerciseError(f"{name}: layer {k}'s input is not the output of the patched layer below "
+                                        + ("" if k else "(layer 0 gets tools.query_embedding(model, ids))"))
+                source = next((b for b in built if b.out is r.patches), None)
+                if source is None:
+                    raise ExerciseError(f"{name}: layer {k} ran with patches that tools.patches did not build: build "
+                                        "them in the loop, patches = tools.patches(block, built_for, position, t)")
+                if source.block is not r.block or not torch.equal(source.target.v_C, t.v_C):
+                    raise ExerciseError(f"{name}: layer {k}'s patches were built for another layer or against "
+                                        f"another layer's targets: tools.patches(block, built_for, position, "
+                                        f"targets[{k}]) with layer {k}'s own block")
+                if k and ideal and not torch.equal(source.x, t.x_C):
+                    raise ExerciseError(f"{name}: layer {k}'s patches were built for "
+                                        + ("the row it is fed, as Algorithm 1 does. " if torch.equal(source.x, r.x)
+                                           else "a row that is not its recorded input. ")
+                                        + "The ideal schedule builds them for the recorded full-context input, "
+                                          "t.x_C, and then runs them on the row the layer is fed")
+                if k and not ideal and not torch.equal(source.x, r.x):
+                    raise ExerciseError(f"{name}: layer {k}'s patches were built for "
+                                        + ("the recorded input x_C, as the ideal schedule does. "
+                                           if torch.equal(source.x, t.x_C) else "a row it was not fed. ")
+                                        + "Algorithm 1 builds each layer's patches for the row the layer is fed, x")
+                got = outs[k]
+                if not isinstance(got, torch.Tensor) or not torch.equal(got, r.out):
+                    raise ExerciseError(f"{name}: entry {k} of the list is not layer {k}'s output (what "
+                                        "tools.patched_layer returned for it): append x after each layer")
+                worst[ideal] = max(worst[ideal], _rel(r.out, t.out_C))
+    print(f"✓ run_schedule ({_whose(own)}): both schedules on every layer of a {L}-layer Gemma 3 (float64), "
+          f"{len(cases)} prompts: each layer fed the output of the patched layer below, its patches built for that row "
+          f"(Algorithm 1) or for the recorded x_C (ideal).\n  Largest relative error of a layer's output against the "
+          f"full-context output: Algorithm 1 {worst[False]:.1e}, ideal {worst[True]:.1e}. In float64 the fed rows "
+          f"differ from x_C by float64 rounding only, so both stay small here; the real model in float32 is next.")
+    return Checked("run_schedule", fn, own, {"prompts": len(cases), "layers": L, "selfcorrect_error": worst[False],
+                                             "ideal_error": worst[True]})
 
 
 # ---------------------------------------------------------------------------------------------- 04: the secular root
@@ -1207,6 +1323,63 @@ def check_bf16_step(fn: Callable | None) -> Checked:
     return Checked("bf16_step", fn, own, {"values": x.numel()})
 
 
+# ------------------------------------------------------------------------------- 04b: where cause 2 can fall back
+def _cause2_cases() -> tuple:
+    """Own terms of many sizes (zeros among them), targets at set fractions of one bfloat16 step of the own term
+    (0.3, 0.99, exactly 1, 1.01, 1.8, and of either sign), and scales with exact zeros."""
+    g = _gen(404)
+    n = 600
+    own = (torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 3, (n,), generator=g)).float()
+    own = own.to(torch.bfloat16).float()            # the layer's own term is a bfloat16 number
+    own[::97] = 0.0
+    frac = torch.tensor([0.3, 0.99, 1.0, 1.01, 1.8, 0.5])[torch.randint(0, 6, (n,), generator=g)]
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    target = (sign * frac * solutions.bf16_step(own)).float()
+    target[own == 0] = 1e-3
+    m = torch.randn(n, generator=g).float()
+    m[::13] = 0.0
+    return own, target, m
+
+
+def check_cause2_candidates(fn: Callable | None) -> Checked:
+    """04b: ``fn(own, target, m)`` must return the boolean mask of coordinates with m_k != 0 and |target_k| below one
+    bfloat16 step of own_k (strictly). Checked exactly on 600 synthetic coordinates."""
+    own, target, m = _cause2_cases()
+    fn, own_fn = _begin("cause2_candidates", fn, (own, target, m))
+    out = _call(fn, (own.clone(), target.clone(), m.clone()), "cause2_candidates")
+    want = solutions.cause2_candidates(own, target, m)
+    if not isinstance(out, torch.Tensor) or out.shape != own.shape:
+        raise ExerciseError(f"cause2_candidates must return a mask of the inputs' shape {tuple(own.shape)}; got "
+                            f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
+    if out.dtype != torch.bool:
+        raise ExerciseError(f"return a boolean mask (a comparison, combined with &), not {out.dtype}")
+    if not torch.equal(out, want):
+        step = solutions.bf16_step(own)
+        named = {
+            "the zero scales (m_k = 0) are cause 1, not cause 2: leave them out with (m != 0)":
+                target.abs() < step,
+            "compare the target's size, |h_target,k|, with the step: a negative target cancels as well":
+                (m != 0) & (target < step),
+            "strictly below one step (use <, not <=): the two roundings, each of up to half a step, cancel a target "
+            "of exactly one step only if both land on a tie at once, which the engine's rounding does not give":
+                (m != 0) & (target.abs() <= step),
+            "one whole step, not half of one: the own term and the correction are each rounded by up to half a step, "
+            "so together they can cancel a target of up to one step": (m != 0) & (target.abs() < step / 2),
+            "the step is the own term's, (W_down h_g)_k, not the target's: the sum cancels when the target is small "
+            "next to the own term": (m != 0) & (target.abs() < solutions.bf16_step(target)),
+        }
+        hint = next((k for k, v in named.items() if torch.equal(out, v)), None)
+        k = int((out != want).nonzero()[0])
+        raise ExerciseError(hint or f"coordinate {k}: own = {float(own[k]):.4g} (one step {float(step[k]):.3g}), "
+                                    f"target = {float(target[k]):.4g}, m = {float(m[k]):.3g}: expected "
+                                    f"{bool(want[k])}, you return {bool(out[k])}. The mask is m_k != 0 and "
+                                    "|target_k| < one bfloat16 step of own_k")
+    print(f"✓ cause2_candidates ({_whose(own_fn)}): exactly the coordinates with m_k != 0 and |h_target,k| below one "
+          f"bfloat16 step of the own term, on {own.numel()} cases ({int(want.sum())} of them candidates; targets at "
+          f"0.3 to 1.8 steps, of both signs, and zero scales)")
+    return Checked("cause2_candidates", fn, own_fn, {"cases": own.numel(), "candidates": int(want.sum())})
+
+
 # ---------------------------------------------------------------------------------------- 04b: the hard case of step 2
 def _hard_cases() -> list:
     """Hard cases of Appendix B's step 2 (no root of F below min m^2): lesson 04b's five-coordinate toy, two
@@ -1247,6 +1420,9 @@ def check_hard_case_y(fn: Callable | None) -> Checked:
             raise ExerciseError(f"y is not finite at coordinate {at} (m_k = {float(m[at]):.3g}): at the smallest m² "
                                 "the formula g_k m_k / (m_k² − μ) is 0/0 when μ = min m². Those coordinates take the "
                                 "leftover norm instead")
+        if y.dtype != g.dtype:
+            raise ExerciseError(f"y is {y.dtype}, while g and m are {g.dtype}: compute and return y in {g.dtype} "
+                                f"(float32 keeps 7 significant digits, too few for the check's 1e-9)")
         y = y.double()
         m2 = m ** 2
         at_min = m2 == m2.min()

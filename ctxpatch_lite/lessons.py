@@ -38,7 +38,7 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
     (``dm_norm``, ``matrix_norm``, and their root-sum-square ``total_norm``), each norm taken over all layers; and
     ``steps``, one record per prompt and step in that order (its token match, L_inf, the baseline's margin in steps
     as in ``lost``, each layer's ``block_error``, the norm its fallbacks left out, ``miss`` (and per layer,
-    ``miss_by_layer``), and ``dv_norm``, the norm of v_C - v over all layers: what the context did to that token, the
+    ``miss_by_layer``), each layer's ``||dm||`` and largest ``|dm_k|`` (``dm_by_layer``, ``dm_max_by_layer``), and ``dv_norm``, the norm of v_C - v over all layers: what the context did to that token, the
     scale of its ``miss``), so that a lesson can take one step apart without running it again.
     """
     if tokens < 1:
@@ -89,6 +89,8 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
                        "block_error": list(st["diagnostics"]["per_layer"]["block_error"]),
                        "miss": st["diagnostics"]["fallback_miss"],
                        "miss_by_layer": list(st["diagnostics"]["per_layer"]["fallback_miss"]),
+                       "dm_by_layer": list(st["diagnostics"]["per_layer"]["dm_l2"]),
+                       "dm_max_by_layer": list(st["diagnostics"]["per_layer"]["dm_max_abs"]),
                        "dv_norm": math.sqrt(sum(x * x for x in st["diagnostics"]["per_layer"]["dv_norm"]
                                                 if not math.isnan(x)))}
                       for p, r in zip(prompts, rs) for st in r["steps"]]})

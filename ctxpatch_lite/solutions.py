@@ -110,6 +110,19 @@ def algorithm1(model, ids: list, tools) -> torch.Tensor:
     return tools.logits(model, x)
 
 
+def run_schedule(model, ids: list, targets: list, ideal: bool, tools) -> list:
+    """Lesson 03, Exercise 4: the last token of ``ids`` alone through every layer under one schedule, against the
+    full-context ``targets``; returns each layer's output row, in order. Layer l's patches are built for the row it
+    is fed (Algorithm 1) or, with ``ideal``, for the recorded full-context input ``targets[l].x_C`` (the paper's
+    ideal schedule); either way the layer then runs on the row it is fed, the output of the patched layer below."""
+    x, position, outs = tools.query_embedding(model, ids), len(ids) - 1, []
+    for block, t in zip(tools.blocks(model), targets):
+        built_for = t.x_C if ideal else x
+        x = tools.patched_layer(block, x, position, tools.patches(block, built_for, position, t))
+        outs.append(x)
+    return outs
+
+
 def secular(mu, g: torch.Tensor, m: torch.Tensor):
     """F(mu) = mean_k (g_k m_k)^2 / (m_k^2 - mu)^2 - 1, increasing on (-inf, min m^2) (Appendix B)."""
     return ((g * m) ** 2 / (m ** 2 - mu) ** 2).mean() - 1
@@ -161,6 +174,14 @@ def bf16_step(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     step = torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 1 - 7)
     return torch.where(x == 0, torch.zeros_like(step), step)
+
+
+def cause2_candidates(own: torch.Tensor, target: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Lesson 04b, Exercise 3: the coordinates where a cause-2 fallback can happen (stable variant, divisor
+    "actual"): a nonzero scale m_k, and a target |h_target,k| below one bfloat16 step of the layer's own term
+    (W_down h_g)_k, ``own``. There the bfloat16 sum of the own term and the rounded correction can cancel exactly.
+    Returns a boolean mask."""
+    return (m != 0) & (target.abs() < bf16_step(own))
 
 
 def hard_case_y(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ def accepts(check, fn, capsys, **kw):
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y",
-                                  "patched_layer", "bf16_step"])
+                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates"])
 def test_a_stub_runs_the_solution_and_says_so(name, capsys):
     c = getattr(ex, f"check_{name}")(stub)
     out = capsys.readouterr().out
@@ -44,7 +44,7 @@ def test_a_stub_runs_the_solution_and_says_so(name, capsys):
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y",
-                                  "patched_layer", "bf16_step"])
+                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates"])
 def test_a_check_run_twice_never_calls_the_solution_yours(name, capsys):
     """Running a check cell again feeds it its own result: after a stub, that is still the package's solution."""
     check = getattr(ex, f"check_{name}")
@@ -776,3 +776,79 @@ def test_secular_root_rejects_a_bracket_that_reaches_above_min_m2():
         return lo
 
     rejects(ex.check_secular_root, to_max_m2, "not below min m_k²")
+
+
+# ---------------------------------------------------------------------------------------- the two schedules (03)
+def test_run_schedule_accepts_correct_answers(capsys):
+    def indexed(model, ids, targets, ideal, tools):
+        blocks, outs = tools.blocks(model), []
+        x = tools.query_embedding(model, ids)
+        for l in range(len(blocks)):
+            patches = tools.patches(blocks[l], targets[l].x_C if ideal else x, len(ids) - 1, targets[l])
+            x = tools.patched_layer(blocks[l], x, len(ids) - 1, patches)
+            outs += [x]
+        return outs
+
+    c, out = accepts(ex.check_run_schedule, sol.run_schedule, capsys)
+    assert c.report["selfcorrect_error"] < 1e-12 and "Algorithm 1" in out and "ideal" in out
+    accepts(ex.check_run_schedule, indexed, capsys)
+
+
+def _schedule(built_for=None, fed=None, last_only=False, via_theorem1=False):
+    """A run_schedule written wrong in one way: ``built_for(x, t, ideal)`` and ``fed(x, t)`` pick the rows."""
+    def fn(model, ids, targets, ideal, tools):
+        x, p, outs = tools.query_embedding(model, ids), len(ids) - 1, []
+        for l, (block, t) in enumerate(zip(tools.blocks(model), targets)):
+            if via_theorem1 and not ideal:
+                x = tools.theorem1_block(block, x, p, t)
+            else:
+                row = fed(x, t) if fed and l else x
+                patches = tools.patches(block, built_for(x, t, ideal) if built_for else (t.x_C if ideal else x), p, t)
+                x = tools.patched_layer(block, row, p, patches)
+            outs.append(x)
+        return outs[-1:] if last_only else outs
+    return fn
+
+
+def test_run_schedule_wrong_answers():
+    rejects(ex.check_run_schedule, _schedule(built_for=lambda x, t, ideal: x), "ideal=True", "built for the row it "
+            "is fed", "t.x_C")
+    rejects(ex.check_run_schedule, _schedule(built_for=lambda x, t, ideal: t.x_C), "ideal=False", "recorded input "
+            "x_C, as the ideal schedule does")
+    rejects(ex.check_run_schedule, _schedule(fed=lambda x, t: t.x_C), "oracle schedule")
+    rejects(ex.check_run_schedule, _schedule(last_only=True), "return the list")
+    rejects(ex.check_run_schedule, _schedule(via_theorem1=True), "tools.theorem1_block", "only built_for differs")
+    rejects(ex.check_run_schedule, lambda model, ids, targets, ideal, tools: sol.run_schedule(
+        model, ids, targets[::-1], ideal, tools), "another layer")
+
+
+def test_scale_patch_rejects_nan_to_num_at_the_zeros():
+    """torch.nan_to_num turns x / 0 into 1.8e308: finite in float64, infinite once stored in a float32 model."""
+    rejects(ex.check_scale_patch, lambda v, v_C, h, m: torch.nan_to_num((v_C - v) / h), "nan_to_num",
+            "torch.where(h == 0, 1, h)")
+
+
+def test_hard_case_y_names_a_float32_answer():
+    rejects(ex.check_hard_case_y, lambda g, m: sol.hard_case_y(g, m).float(), "torch.float32", "torch.float64")
+
+
+# ------------------------------------------------------------------------------ where cause 2 can fall back (04b)
+def test_cause2_candidates_accepts_correct_answers(capsys):
+    def by_frexp(own, target, m):
+        e = torch.frexp(own).exponent
+        step = torch.where(own == 0, torch.zeros_like(own), torch.ldexp(torch.ones_like(own), e - 8))
+        return (target.abs() < step) & (m != 0)
+
+    c, out = accepts(ex.check_cause2_candidates, sol.cause2_candidates, capsys)
+    assert 0 < c.report["candidates"] < c.report["cases"]
+    accepts(ex.check_cause2_candidates, by_frexp, capsys)
+
+
+def test_cause2_candidates_wrong_answers():
+    step = sol.bf16_step
+    rejects(ex.check_cause2_candidates, lambda own, t, m: t.abs() < step(own), "m != 0")
+    rejects(ex.check_cause2_candidates, lambda own, t, m: (m != 0) & (t < step(own)), "negative target")
+    rejects(ex.check_cause2_candidates, lambda own, t, m: (m != 0) & (t.abs() <= step(own)), "strictly below")
+    rejects(ex.check_cause2_candidates, lambda own, t, m: (m != 0) & (t.abs() < step(own) / 2), "one whole step")
+    rejects(ex.check_cause2_candidates, lambda own, t, m: (m != 0) & (t.abs() < step(t)), "the own term's")
+    rejects(ex.check_cause2_candidates, lambda own, t, m: ((m != 0) & (t.abs() < step(own))).float(), "boolean")
