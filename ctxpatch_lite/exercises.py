@@ -1361,7 +1361,8 @@ def check_cause2_candidates(fn: Callable | None) -> Checked:
             "compare the target's size, |h_target,k|, with the step: a negative target cancels as well":
                 (m != 0) & (target < step),
             "strictly below one step (use <, not <=): the two roundings, each of up to half a step, cancel a target "
-            "of exactly one step only if both land on a tie at once, which the engine's rounding does not give":
+            "of exactly one step only if both land on a tie at once, which almost never happens; the lesson's rule "
+            "is the strict one":
                 (m != 0) & (target.abs() <= step),
             "one whole step, not half of one: the own term and the correction are each rounded by up to half a step, "
             "so together they can cancel a target of up to one step": (m != 0) & (target.abs() < step / 2),
