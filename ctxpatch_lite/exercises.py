@@ -638,10 +638,12 @@ def _layer_mistakes(block, x: torch.Tensor, v: torch.Tensor, z: torch.Tensor, pa
     def y(act=lambda a: F.gelu(a, approximate="tanh"), patched=True):
         W_gate, W_up = (block.W_gate + dWg, block.W_up + dWu) if patched else (block.W_gate, block.W_up)
         return block.W_down @ (act(W_gate @ z) * (W_up @ z))
-    h = n(y())
+    y_patched = y()
+    h = n(y_patched)
     return {
         "Gemma's scale is m = 1 + w: block.norms holds the stored w.": v + (w + dm) * h,
-        "N includes the epsilon: h = y / sqrt(mean(y²) + block.eps).": v + (m + dm) * (y() / y().pow(2).mean().sqrt()),
+        "N includes the epsilon: h = y / sqrt(mean(y²) + block.eps).":
+            v + (m + dm) * (y_patched / y_patched.pow(2).mean().sqrt()),
         "Yours is the *unpatched* MLP's h: the MLP must use the patched matrices, W_gate + dW_gate and W_up + dW_up, "
         "on z, and h = N(W_down h_g) of that patched MLP.": v + (m + dm) * n(y(patched=False)),
         "Gemma uses the tanh approximation of GELU: gelu(..., approximate='tanh').": v + (m + dm) * n(y(act=F.gelu)),
@@ -797,18 +799,34 @@ def _algorithm1_cases() -> list:
     return [(model, [2, 10, 20, 30, 40, 50, 11, 12, 13, 33]), (model, [2, 7, 7, 61, 5, 90, 44, 3, 19, 28, 71, 6])]
 
 
-def _spy_tools(calls: list, heads: list, tools):
-    """``tools`` that record, in order, each theorem1_block call (``calls``) and each tools.logits call (``heads``)."""
+def _spy_tools(tools):
+    """``tools`` that record every call, in order, and the record: ``theorem1`` (each tools.theorem1_block call),
+    ``heads`` (tools.logits), ``built`` (tools.patches) and ``runs`` (tools.patched_layer), each entry with the
+    call's arguments and its result ``out``. The checks of notebook 03's loops read from it what each layer was fed
+    and what its patches were built for."""
+    log = SimpleNamespace(theorem1=[], heads=[], built=[], runs=[])
+
     def theorem1(block, x, position, target):
         out = tools.theorem1_block(block, x, position, target)
-        calls.append(SimpleNamespace(block=block, x=x, position=position, target=target, out=out))
+        log.theorem1.append(SimpleNamespace(block=block, x=x, position=position, target=target, out=out))
         return out
 
     def head(model, x):
         out = tools.logits(model, x)
-        heads.append(SimpleNamespace(x=x, out=out))
+        log.heads.append(SimpleNamespace(x=x, out=out))
         return out
-    return SimpleNamespace(**{**vars(tools), "theorem1_block": theorem1, "logits": head})
+
+    def patches(block, x, position, target):
+        out = tools.patches(block, x, position, target)
+        log.built.append(SimpleNamespace(block=block, x=x, target=target, out=out))
+        return out
+
+    def patched_layer(block, x, position, given):
+        out = tools.patched_layer(block, x, position, given)
+        log.runs.append(SimpleNamespace(block=block, x=x, patches=given, out=out))
+        return out
+    spied = {"theorem1_block": theorem1, "logits": head, "patches": patches, "patched_layer": patched_layer}
+    return SimpleNamespace(**{**vars(tools), **{k: f for k, f in spied.items() if hasattr(tools, k)}}), log
 
 
 def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None) -> Checked:
@@ -822,8 +840,9 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
     fn, own = _begin("algorithm1", fn, (cases[0][0], list(cases[0][1]), tools))
     moved, block_worst, logit_worst = False, 0.0, 0.0
     for model, ids in cases:
-        calls, heads = [], []
-        out = _call(fn, (model, list(ids), _spy_tools(calls, heads, tools)), "algorithm1")
+        spied, log = _spy_tools(tools)
+        out = _call(fn, (model, list(ids), spied), "algorithm1")
+        calls, heads = log.theorem1, log.heads
         L, p = len(model.model.layers), len(ids) - 1
         targets = full_context_targets(model, ids)
         want = logits(model, targets[-1].out_C)      # the same from-scratch model, with the whole context
@@ -898,28 +917,6 @@ def check_algorithm1(fn: Callable | None, tools=None, cases: list | None = None)
                                            "logit_error": logit_worst})
 
 
-def _schedule_spy(tools, built: list, runs: list, whole: list | None = None):
-    """``tools`` that record each tools.patches call (``built``), each tools.patched_layer call (``runs``) and each
-    tools.theorem1_block call (``whole``)."""
-    whole = [] if whole is None else whole
-
-    def theorem1(block, x, position, target):
-        whole.append(block)
-        return tools.theorem1_block(block, x, position, target)
-
-    def patches(block, x, position, target):
-        out = tools.patches(block, x, position, target)
-        built.append(SimpleNamespace(block=block, x=x, target=target, out=out))
-        return out
-
-    def patched_layer(block, x, position, given):
-        out = tools.patched_layer(block, x, position, given)
-        runs.append(SimpleNamespace(block=block, x=x, patches=given, out=out))
-        return out
-    return SimpleNamespace(**{**vars(tools), "patches": patches, "patched_layer": patched_layer,
-                              "theorem1_block": theorem1})
-
-
 def check_run_schedule(fn: Callable | None, tools=None, cases: list | None = None) -> Checked:
     """03: ``fn(model, ids, targets, ideal, tools)`` must run the last token of ``ids`` alone through every layer and
     return each layer's output row, in order. Layer l is fed the output of the patched layer below (the query's
@@ -936,9 +933,9 @@ def check_run_schedule(fn: Callable | None, tools=None, cases: list | None = Non
         x0 = query_embedding(model, ids)
         for ideal in (False, True):
             name = "ideal=True (the ideal schedule)" if ideal else "ideal=False (Algorithm 1)"
-            built, runs, whole = [], [], []
-            outs = _call(fn, (model, list(ids), targets, ideal, _schedule_spy(tools, built, runs, whole)),
-                         "run_schedule")
+            spied, log = _spy_tools(tools)
+            outs = _call(fn, (model, list(ids), targets, ideal, spied), "run_schedule")
+            built, runs, whole = log.built, log.runs, log.theorem1
             if whole:
                 raise ExerciseError(f"{name}: {len(whole)} layers ran through tools.theorem1_block, which builds the "
                                     "patches and runs the layer in one call, so nothing shows what the patches were "

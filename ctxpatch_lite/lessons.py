@@ -38,8 +38,9 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
     (``dm_norm``, ``matrix_norm``, and their root-sum-square ``total_norm``), each norm taken over all layers; and
     ``steps``, one record per prompt and step in that order (its token match, L_inf, the baseline's margin in steps
     as in ``lost``, each layer's ``block_error``, the norm its fallbacks left out, ``miss`` (and per layer,
-    ``miss_by_layer``), each layer's ``||dm||`` and largest ``|dm_k|`` (``dm_by_layer``, ``dm_max_by_layer``), and ``dv_norm``, the norm of v_C - v over all layers: what the context did to that token, the
-    scale of its ``miss``), so that a lesson can take one step apart without running it again.
+    ``miss_by_layer``), each layer's ``||dm||`` and largest ``|dm_k|`` (``dm_by_layer``, ``dm_max_by_layer``), and
+    ``dv_norm``, the norm of v_C - v over all layers: what the context did to that token, the scale of its
+    ``miss``), so that a lesson can take one step apart without running it again.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be at least 1 (got {tokens})")
