@@ -299,7 +299,7 @@ def update_norms(rows: list[dict], title: str = "Update norms per variant (media
     x = np.arange(len(rows))
     # grey and purple: blue and orange mean naive and stable in the other figures
     ax.bar(x - 0.2, _positive([r["matrix_norm"] for r in rows]), 0.4, color="0.55", label="matrix patches (Frobenius)")
-    ax.bar(x + 0.2, _positive([r["dm_norm"] for r in rows]), 0.4, color="#7b3294", label="vector patch Δm (L2)")
+    ax.bar(x + 0.2, _positive([r["dm_norm"] for r in rows]), 0.4, color="#7b3294", label="scale patch Δm (L2)")
     ax.set_xticks(x, [r["label"] for r in rows], rotation=20, fontsize=8)
     ax.set_yscale("log")
     values = [v for r in rows for v in _positive([r["matrix_norm"], r["dm_norm"]])]
@@ -315,7 +315,10 @@ def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, o
     """Predicted against measured error at one coordinate per layer, log-log by size, with the line where they are
     equal. ``rows`` hold ``layer``, ``predicted_k`` and ``measured_k`` (dividing by the recorded h_C: every one must
     be nonzero, or this raises) and, optionally, ``predicted_actual_k`` and ``measured_actual_k`` (the actual
-    divisor, at the same coordinate), drawn where both are nonzero; the legend says how many. Colour: the layer."""
+    divisor, at the same coordinate), drawn where both are nonzero; the legend says how many. Colour: the layer.
+    Rows that also hold ``step_actual_k`` (one bfloat16 step of the actual divisor's output there) get a second panel:
+    every layer's actual measured minus predicted miss in those steps, measured zeros included (hollow), beside the
+    step by which rounding the output and the target (half a step each) can move it."""
     pred = np.abs([r["predicted_k"] for r in rows])
     meas = np.abs([r["measured_k"] for r in rows])
     if (pred <= 0).any() or (meas <= 0).any():
@@ -323,25 +326,45 @@ def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, o
     act = [(r["layer"], abs(r["predicted_actual_k"]), abs(r["measured_actual_k"])) for r in rows
            if "predicted_actual_k" in r]
     shown = [a for a in act if a[1] > 0 and a[2] > 0]
-    fig, ax = plt.subplots(figsize=(6.2, 4.6))
+    steps = [r for r in rows if "step_actual_k" in r and "measured_actual_k" in r]
+    if steps:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.5, 4.6), gridspec_kw={"width_ratios": [1.25, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(6.2, 4.6))
     values = list(pred) + list(meas) + [v for a in shown for v in a[1:]]
     lo, hi = min(values) / 2, max(values) * 2
     ax.plot([lo, hi], [lo, hi], ":", color="0.5", label="measured = predicted")
     layers = [r["layer"] for r in rows]
     norm = matplotlib.colors.Normalize(min(layers), max(layers))
     pts = ax.scatter(pred, meas, c=layers, cmap="viridis", norm=norm, edgecolors="black", linewidths=0.4, s=40,
-                     zorder=3, label="recorded h_C: (m_k + Δm_k)(ĥ_k − h_C,k)")
+                     zorder=3, label=r"recorded $h_C$: $(m_k + \Delta m_k)(\hat h_k - h_{C,k})$")
     if act:
         ax.scatter([a[1] for a in shown], [a[2] for a in shown], c=[a[0] for a in shown], cmap="viridis", norm=norm,
                    marker="s", edgecolors="black", linewidths=0.4, s=30, zorder=3,
-                   label=f"actual ĥ: m_k(ĥ_k − h_C,k) ({len(shown)} of {len(act)} layers nonzero)")
+                   label=rf"actual $\hat h$: $m_k(\hat h_k - h_{{C,k}})$ ({len(shown)} of {len(act)} layers nonzero)")
     fig.colorbar(pts, ax=ax, label="layer")
+    if steps:
+        off = [(r["measured_actual_k"] - r["predicted_actual_k"]) / r["step_actual_k"] for r in steps]
+        zero = [r["measured_actual_k"] == 0 for r in steps]
+        xs = [r["layer"] for r in steps]
+        ax2.axhspan(-1, 1, color="0.88", zorder=0, label="± one step: rounding the output and the target")
+        ax2.axhline(0, color="0.5", lw=0.8, ls=":")
+        ax2.scatter([x for x, z in zip(xs, zero) if not z], [o for o, z in zip(off, zero) if not z], marker="s",
+                    c=[x for x, z in zip(xs, zero) if not z], cmap="viridis", norm=norm, edgecolors="black",
+                    linewidths=0.4, s=34, zorder=3, label="measured miss nonzero")
+        ax2.scatter([x for x, z in zip(xs, zero) if z], [o for o, z in zip(off, zero) if z], marker="s",
+                    facecolors="none", edgecolors="black", linewidths=0.9, s=34, zorder=3, label="measured miss 0")
+        ax2.set_xlabel("layer")
+        ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax2.set_ylabel("actual: (measured − predicted) / 1 step of out_k")
+        ax2.set_title(r"actual $\hat h$, every layer, in bfloat16 steps of the output at k", fontsize=10)
+        ax2.legend(fontsize=7, loc="best")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel("predicted |error_k|")
-    ax.set_ylabel("measured |error_k|")
+    ax.set_xlabel("predicted |miss_k|")
+    ax.set_ylabel("measured |miss_k|")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()

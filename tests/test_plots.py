@@ -169,3 +169,10 @@ def test_error_formula_draws_every_layer_and_refuses_a_zero():
     assert "3 of 4 layers nonzero" in [t.get_text() for t in ax.get_legend().get_texts()][-1]
     with pytest.raises(ValueError, match="nonzero"):
         plots.error_formula(rows + [{"layer": 4, "predicted_k": 0.0, "measured_k": 1.0}])
+    stepped = [r | {"step_actual_k": 0.5} for r in both]           # a second panel: every layer, zeros included
+    stepped[1] |= {"measured_actual_k": 0.0}
+    fig = plots.error_formula(stepped)
+    ax2 = fig.axes[1]
+    filled, hollow = ax2.collections[-2:]
+    assert len(filled.get_offsets()) == 3 and len(hollow.get_offsets()) == 1
+    assert hollow.get_offsets()[0][1] == pytest.approx((0.0 - 0.2) / 0.5)   # (measured - predicted) in steps
