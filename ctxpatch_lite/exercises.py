@@ -1258,6 +1258,65 @@ def check_naive_miss(fn: Callable | None) -> Checked:
     return Checked("naive_miss", fn, own, {"cases": len(cases), "max_error": worst})
 
 
+# ------------------------------------------------------------------------------- 04b: the two misses of one layer
+def _layer_cases() -> list:
+    """Stand-ins for single_block_patch results, as a bfloat16 layer gives them: h, h_recorded, out_patched and
+    out_target in bfloat16 (some outputs far from their targets, where a bfloat16 difference rounds), dm in float32,
+    a scale with an exact zero."""
+    from types import SimpleNamespace
+    g, cases = _gen(710), []
+    for n in (16, 64):
+        h_rec = torch.randn(n, generator=g).to(torch.bfloat16)
+        h = (h_rec.float() + 1e-2 * torch.randn(n, generator=g)).to(torch.bfloat16)
+        target = (50 * torch.randn(n, generator=g)).to(torch.bfloat16)
+        out = (target.float() + torch.randn(n, generator=g)).to(torch.bfloat16)
+        out[: n // 4] = (300 + 10 * torch.rand(n // 4, generator=g)).to(torch.bfloat16)   # far from their targets
+        target[: n // 4] = (1e-2 * torch.randn(n // 4, generator=g)).to(torch.bfloat16)
+        dm = 1e3 * torch.randn(n, generator=g)
+        m = 1 + torch.rand(n, generator=g)
+        m[1] = 0.0
+        res = SimpleNamespace(h=h, h_recorded=h_rec, dm=dm, out_patched=out, out_target=target)
+        cases += [(res, m, div) for div in ("recorded", "actual")]
+    return cases
+
+
+def check_layer_misses(fn: Callable | None) -> Checked:
+    """04b: ``fn(res, m, divide_by)`` must return ``(predicted, measured)``, float32 tensors of m's shape: the miss
+    that naive_miss predicts from m, res.dm and dh = res.h - res.h_recorded, and the measured res.out_patched -
+    res.out_target, each converted to float32 before it is subtracted. Checked on stand-ins for a bfloat16 layer's
+    result (exactly for the measured miss, to 1e-6 for the predicted one)."""
+    cases = _layer_cases()
+    fn, own = _begin("layer_misses", fn, cases[0])
+    for res, m, div in cases:
+        out = _call(fn, (res, m, div), "layer_misses")
+        if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+            raise ExerciseError("layer_misses must return a pair of tensors, (predicted, measured)")
+        pred, meas = (t.float() for t in out)
+        want_p, want_m = solutions.layer_misses(res, m, div)
+        if pred.shape != m.shape or meas.shape != m.shape:
+            raise ExerciseError(f"both tensors must have m's shape {tuple(m.shape)}, one value per coordinate")
+        if _close(pred, want_m, 1e-2) and _close(meas, want_p, 1e-2):      # a diagnosis: loose on purpose
+            raise ExerciseError("the order: return (predicted, measured), the prediction first")
+        if _close(pred, -want_p, 1e-6):
+            raise ExerciseError("the sign of dh: it is ĥ − h_C, res.h (what the patched layer computed) minus "
+                                "res.h_recorded (the full-context pass's)")
+        if not _close(pred, want_p, 1e-6):
+            raise ExerciseError(f"with divide_by={div!r} your predicted miss is not naive_miss(m, res.dm, "
+                                f"res.h − res.h_recorded, divide_by): pass your naive_miss those three, in float32")
+        if torch.equal(meas, -want_m):
+            raise ExerciseError("the measured miss is the patched output minus the target: res.out_patched − "
+                                "res.out_target")
+        if not torch.equal(meas, want_m):
+            taken = (res.out_patched - res.out_target).float()
+            raise ExerciseError("convert each output to float32 before subtracting: a difference taken in bfloat16 "
+                                "is rounded again to 8 significant bits" if torch.equal(meas, taken) else
+                                "your measured miss is not res.out_patched − res.out_target (in float32)")
+    print(f"✓ layer_misses ({_whose(own)}): the predicted and the measured miss for both divisors, on {len(cases)} "
+          f"stand-ins for a bfloat16 layer (outputs far from their targets included, where a bfloat16 difference "
+          f"rounds)")
+    return Checked("layer_misses", fn, own, {"cases": len(cases)})
+
+
 # ------------------------------------------------------------------------------------------ 04b: one bfloat16 step
 def _step_cases() -> torch.Tensor:
     """Values a bfloat16 layer meets: random sizes from 1e-6 to 1e4 of both signs, exact powers of two, the float32

@@ -166,6 +166,16 @@ def naive_miss(m: torch.Tensor, dm: torch.Tensor, dh: torch.Tensor, divide_by: s
     return (m + dm) * dh if divide_by == "recorded" else m * dh
 
 
+def layer_misses(res, m: torch.Tensor, divide_by: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lesson 04b, Exercise 2: for one layer patched alone (``res``, a ``single_block_patch`` result), the miss per
+    coordinate that ``naive_miss`` predicts from m, res.dm and dh = res.h - res.h_recorded, and the miss the layer
+    made, res.out_patched - res.out_target; both float32, each converted before it is subtracted (a difference
+    taken in bfloat16 rounds again)."""
+    predicted = naive_miss(m.float(), res.dm.float(), res.h.float() - res.h_recorded.float(), divide_by)
+    measured = res.out_patched.float() - res.out_target.float()
+    return predicted, measured
+
+
 def bf16_step(x: torch.Tensor) -> torch.Tensor:
     """Lesson 04b, Exercise 1: the spacing of bfloat16 numbers at each |x| (one bfloat16 step), as float32: with
     |x| = f 2^e, 1 <= f < 2, the step is 2^(e - 7), since bfloat16 keeps 7 bits after the leading one; 0 where x is

@@ -564,6 +564,38 @@ def test_naive_miss_accepts_every_correct_answer(capsys):
     assert not c.own and "naive_miss is not written yet" in capsys.readouterr().out
 
 
+def test_layer_misses_accepts_every_correct_answer(capsys):
+    def by_hand(res, m, divide_by):                    # the formulas written out instead of calling naive_miss
+        dh = res.h.float() - res.h_recorded.float()
+        pred = (m + res.dm.float()) * dh if divide_by == "recorded" else m * dh
+        return pred, res.out_patched.float() - res.out_target.float()
+
+    def float64(res, m, divide_by):                    # a wider float gives the same float32 answers
+        p, q = sol.layer_misses(res, m, divide_by)
+        return p.double(), res.out_patched.double() - res.out_target.double()
+
+    for fn in (sol.layer_misses, by_hand, float64):
+        c, out = accepts(ex.check_layer_misses, fn, capsys)
+        assert c.report["cases"] == 4
+
+    def stub(res, m, divide_by):
+        raise NotImplementedError
+    c = ex.check_layer_misses(stub)
+    assert not c.own and "layer_misses is not written yet" in capsys.readouterr().out
+
+
+def test_layer_misses_wrong_answers():
+    right = sol.layer_misses
+    rejects(ex.check_layer_misses, lambda r, m, d: right(r, m, d)[0], "a pair of tensors")
+    rejects(ex.check_layer_misses, lambda r, m, d: right(r, m, d)[::-1], "the order")
+    rejects(ex.check_layer_misses, lambda r, m, d: (-right(r, m, d)[0], right(r, m, d)[1]), "the sign of dh")
+    rejects(ex.check_layer_misses, lambda r, m, d: (right(r, m, d)[0], -right(r, m, d)[1]), "patched output minus")
+    rejects(ex.check_layer_misses, lambda r, m, d: (right(r, m, d)[0], (r.out_patched - r.out_target).float()),
+            "before subtracting")
+    rejects(ex.check_layer_misses, lambda r, m, d: (sol.naive_miss(m, r.dm, r.h.float() - r.h_recorded.float(),
+                                                                    "actual"), right(r, m, d)[1]), "divide_by")
+
+
 def test_naive_miss_wrong_answers():
     rejects(ex.check_naive_miss, lambda m, dm, dh, div: -sol.naive_miss(m, dm, dh, div), "the sign")
     rejects(ex.check_naive_miss, lambda m, dm, dh, div: (m + dm) * dh, "the other divisor's formula")      # actual wrong
