@@ -1272,6 +1272,8 @@ def _layer_cases() -> list:
         out = (target.float() + torch.randn(n, generator=g)).to(torch.bfloat16)
         out[: n // 4] = (300 + 10 * torch.rand(n // 4, generator=g)).to(torch.bfloat16)   # far from their targets
         target[: n // 4] = (1e-2 * torch.randn(n // 4, generator=g)).to(torch.bfloat16)
+        h[n // 4: n // 2] = (300 + 10 * torch.rand(n // 4, generator=g)).to(torch.bfloat16)   # h_hat far from h_C
+        h_rec[n // 4: n // 2] = (1e-2 * torch.randn(n // 4, generator=g)).to(torch.bfloat16)
         dm = 1e3 * torch.randn(n, generator=g)
         m = 1 + torch.rand(n, generator=g)
         m[1] = 0.0
@@ -1284,7 +1286,8 @@ def check_layer_misses(fn: Callable | None) -> Checked:
     """04b: ``fn(res, m, divide_by)`` must return ``(predicted, measured)``, float32 tensors of m's shape: the miss
     that naive_miss predicts from m, res.dm and dh = res.h - res.h_recorded, and the measured res.out_patched -
     res.out_target, each converted to float32 before it is subtracted. Checked on stand-ins for a bfloat16 layer's
-    result (exactly for the measured miss, to 1e-6 for the predicted one)."""
+    result, some with h_hat far from h_C and outputs far from their targets, where a bfloat16 difference rounds
+    (exactly for the measured miss, to 1e-6 for the predicted one)."""
     cases = _layer_cases()
     fn, own = _begin("layer_misses", fn, cases[0])
     for res, m, div in cases:
@@ -1300,6 +1303,9 @@ def check_layer_misses(fn: Callable | None) -> Checked:
         if _close(pred, -want_p, 1e-6):
             raise ExerciseError("the sign of dh: it is ĥ − h_C, res.h (what the patched layer computed) minus "
                                 "res.h_recorded (the full-context pass's)")
+        if _close(pred, solutions.naive_miss(m.float(), res.dm.float(), (res.h - res.h_recorded).float(), div), 1e-6):
+            raise ExerciseError("convert res.h and res.h_recorded to float32 before subtracting: their difference taken "
+                                "in bfloat16 is rounded again to 8 significant bits")
         if not _close(pred, want_p, 1e-6):
             raise ExerciseError(f"with divide_by={div!r} your predicted miss is not naive_miss(m, res.dm, "
                                 f"res.h − res.h_recorded, divide_by): pass your naive_miss those three, in float32")
@@ -1312,8 +1318,8 @@ def check_layer_misses(fn: Callable | None) -> Checked:
                                 "is rounded again to 8 significant bits" if torch.equal(meas, taken) else
                                 "your measured miss is not res.out_patched − res.out_target (in float32)")
     print(f"✓ layer_misses ({_whose(own)}): the predicted and the measured miss for both divisors, on {len(cases)} "
-          f"stand-ins for a bfloat16 layer (outputs far from their targets included, where a bfloat16 difference "
-          f"rounds)")
+          f"stand-ins for a bfloat16 layer (h_hat far from h_C and outputs far from their targets included, where a "
+          f"bfloat16 difference rounds)")
     return Checked("layer_misses", fn, own, {"cases": len(cases)})
 
 

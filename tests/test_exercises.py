@@ -592,6 +592,8 @@ def test_layer_misses_wrong_answers():
     rejects(ex.check_layer_misses, lambda r, m, d: (right(r, m, d)[0], -right(r, m, d)[1]), "patched output minus")
     rejects(ex.check_layer_misses, lambda r, m, d: (right(r, m, d)[0], (r.out_patched - r.out_target).float()),
             "before subtracting")
+    rejects(ex.check_layer_misses, lambda r, m, d: (sol.naive_miss(m, r.dm, (r.h - r.h_recorded).float(), d),
+                                                    right(r, m, d)[1]), "res.h and res.h_recorded to float32")
     rejects(ex.check_layer_misses, lambda r, m, d: (sol.naive_miss(m, r.dm, r.h.float() - r.h_recorded.float(),
                                                                     "actual"), right(r, m, d)[1]), "divide_by")
 
