@@ -253,22 +253,25 @@ def h_histogram(abs_h, n_zero: int, title: str = ""):
 
 
 def secular_function(g, m, mu_root: float, hard_case: bool = False):
-    """F(mu) of the App. B inversion on (-inf, min m^2), with its root."""
+    """F(mu) of the App. B inversion on (-inf, min m^2), with its root, drawn against the distance to the pole,
+    min m^2 - mu, on a log axis that runs towards the pole from left to right: the steep rise near the pole and the
+    crossing at the root, however far from the pole it lies, both stay visible."""
     import torch
 
     from .stable import F
     g, m = torch.as_tensor(g).detach().cpu(), torch.as_tensor(m).detach().cpu()   # a figure is drawn on the host
     m2min = float((m.to(torch.float64) ** 2).min())
-    span = max(1.0, abs(m2min - mu_root) * 4)
-    mus = np.concatenate([np.linspace(m2min - span, m2min - span / 50, 300),
-                          m2min - np.logspace(math.log10(span / 50), -8, 300)])
-    Fs = F(torch.tensor(mus), g, m).numpy()
+    root_dist = max(m2min - mu_root, 1e-12)
+    far = max(root_dist * 100, 1.0)
+    dists = np.logspace(math.log10(far), math.log10(min(root_dist / 100, 1e-6)), 600)
+    Fs = F(torch.tensor(m2min - dists), g, m).numpy()
     fig, ax = plt.subplots(figsize=(7, 3.4))
-    ax.plot(mus, np.arcsinh(Fs), lw=1.5)
+    ax.plot(dists, np.arcsinh(Fs), lw=1.5)
+    ax.set_xscale("log")
+    ax.invert_xaxis()                                    # towards the pole to the right, as mu grows
     ax.axhline(0, color="k", lw=0.8)
-    ax.axvline(m2min, color="grey", ls="--", lw=1, label="min m²")
-    ax.plot([mu_root], [0], "o", color="red", label=f"μ* = {mu_root:.6g}" + (" (hard case)" if hard_case else ""))
-    ax.set_xlabel("μ")
+    ax.plot([root_dist], [0], "o", color="red", label=f"μ* = {mu_root:.6g}" + (" (hard case)" if hard_case else ""))
+    ax.set_xlabel(f"distance to the pole, min m² − μ (log; min m² = {m2min:.3g})")
     ax.set_ylabel("asinh F(μ)")
     ax.set_title("Secular function of the RMSNorm inversion (monotone on (−∞, min m²))")
     ax.legend()
