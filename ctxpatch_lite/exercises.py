@@ -1443,6 +1443,82 @@ def check_cause2_candidates(fn: Callable | None) -> Checked:
     return Checked("cause2_candidates", fn, own_fn, {"cases": own.numel(), "candidates": int(want.sum())})
 
 
+# ---------------------------------------------------------------------------------- 04b: where bfloat16 gives exact zeros
+def _exact_zero_cases() -> list:
+    """Stand-ins for a stable-patched bfloat16 layer: a bfloat16 W_down (rows of many sizes), a hidden h_g of
+    bfloat16 values, and a target h_target that is 0 on a third of the rows (cause 1), a fraction of one bfloat16
+    step of the own output on a third (cause 2 can strike) and far larger on the rest (it cannot)."""
+    out = []
+    for seed, (d, f) in ((510, (48, 160)), (511, (96, 320))):
+        g = _gen(seed)
+        W = (torch.randn(d, f, generator=g) * torch.logspace(-3, 1, d)[:, None]).to(torch.bfloat16)
+        h = (torch.randn(f, generator=g) * 3.0).to(torch.bfloat16).float()
+        step = solutions.bf16_step((W @ h.to(torch.bfloat16)).float())
+        kind = torch.arange(d) % 3
+        frac = 0.05 + 0.9 * torch.rand(d, generator=g)
+        sign = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0)
+        target = torch.where(kind == 0, torch.zeros(d), torch.where(kind == 1, sign * frac * step, sign * 300.0 * step))
+        out.append((W, h, target))
+    return out
+
+
+def check_exact_zeros(fn: Callable | None) -> Checked:
+    """04b: ``fn(W_down, h_g, h_target)`` must return the boolean mask (d,) of the coordinates where the layer's own
+    output, W_down @ h_g computed in bfloat16 as the layer computes it, plus the correction h_target - W_down h_g,
+    computed in float32 and rounded to bfloat16, is exactly 0. Checked exactly on two stand-in layers whose targets
+    are 0, below one step of the own output, or far above it."""
+    cases = _exact_zero_cases()
+    fn, own_fn = _begin("exact_zeros", fn, cases[0])
+    counts = {"zero target": [0, 0], "small target": [0, 0], "large target": [0, 0]}
+    for W, h, t in cases:
+        out = _call(fn, (W, h, t), "exact_zeros")
+        if not isinstance(out, torch.Tensor) or out.shape != (W.shape[0],):
+            raise ExerciseError(f"exact_zeros must return a mask of shape ({W.shape[0]},), one value per row of W_down; "
+                                f"got {type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
+        if out.dtype != torch.bool:
+            raise ExerciseError(f"return a boolean mask (a comparison with 0), not {out.dtype}")
+        want = solutions.exact_zeros(W, h, t)
+        if torch.equal(out, want):
+            kind = torch.arange(W.shape[0]) % 3
+            for i, name in enumerate(counts):
+                counts[name][0] += int(want[kind == i].sum())
+                counts[name][1] += int((kind == i).sum())
+            continue
+        own_bf = (W @ h.to(torch.bfloat16)).float()
+        exact32 = W.float() @ h.float()
+        corr32 = t - exact32
+        if not out.any():
+            raise ExerciseError("your mask is False on every row, even where the target is 0 and a bfloat16 layer gives "
+                                "exact zeros: round the correction to bfloat16 before adding it (left in float32 it "
+                                "keeps bits the own output lost, and the sum is almost never exactly 0), and check its "
+                                "sign: the correction is h_target - W_down h_g")
+        named = {
+            "compute the layer's own output as the bfloat16 layer does, W_down @ h_g in bfloat16: in float32 the sum "
+            "is the target itself, 0 exactly where the target is 0 and nowhere else":
+                exact32 + corr32 == 0,
+            "add the two rounded terms and compare the sum with 0; |h_target| below one step of the own output is "
+            "Exercise 4's necessary condition, not the outcome":
+                t.abs() < solutions.bf16_step(own_bf),
+            "the sum is exactly 0 where it equals 0 (==), not where it is small: a rounding residue is not a fallback":
+                (own_bf + corr32.to(torch.bfloat16).float()).abs() < 1e-3,
+            "the correction is the target minus the own output, h_target - W_down h_g (then rounded), not its negative":
+                own_bf + (exact32 - t).to(torch.bfloat16).float() == 0,
+        }
+        hint = next((k for k, v in named.items() if torch.equal(out, v)), None)
+        k = int((out != want).nonzero()[0])
+        raise ExerciseError(hint or f"row {k}: the bfloat16 own output is {float(own_bf[k]):.6g}, the target "
+                                    f"{float(t[k]):.4g}, the rounded correction "
+                                    f"{float(corr32[k].to(torch.bfloat16)):.6g}; expected {bool(want[k])}, you return "
+                                    f"{bool(out[k])}")
+    z, s_, l_ = (counts[k] for k in counts)
+    if not (z[0] == z[1] and 0 < s_[0] < s_[1] and l_[0] == 0):   # the stand-ins must show all three regimes
+        raise RuntimeError(f"check_exact_zeros' stand-in layers no longer show the three regimes: {counts}")
+    print(f"✓ exact_zeros ({_whose(own_fn)}): the bfloat16 sum of the own output and the rounded correction, on 2 "
+          f"stand-in layers: exactly 0 at {z[0]} of {z[1]} rows with a target of 0, {s_[0]} of {s_[1]} with a target "
+          f"below one step of the own output, {l_[0]} of {l_[1]} with a larger one")
+    return Checked("exact_zeros", fn, own_fn, {"cases": len(cases), "counts": counts})
+
+
 # ---------------------------------------------------------------------------------------- 04b: the hard case of step 2
 def _hard_cases() -> list:
     """Hard cases of Appendix B's step 2 (no root of F below min m^2): lesson 04b's five-coordinate toy, two

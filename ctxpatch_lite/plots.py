@@ -374,6 +374,40 @@ def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, o
     return fig
 
 
+def cause2_targets(ratio_fell, ratio_kept, title: str = "Fallbacks away from the zero scales, by the size of the target"):
+    """Lesson 04b, cause 2: the histogram, over the coordinates with m_k != 0 of every layer patched alone, of
+    |h_target,k| in bfloat16 steps of the layer's own (W_down h_g)_k, stacked by whether step 4's divisor came out
+    exactly 0 there (``ratio_fell``, on top) or not (``ratio_kept``), on a log axis whose bins have an edge at
+    exactly 1, the one-step line of Exercise 4's rule. A ratio of exactly 0 (a target of exactly 0) cannot sit on a
+    log axis: such coordinates are counted in the legend, never moved to a floor."""
+    fell = np.asarray(ratio_fell, dtype=float)
+    kept = np.asarray(ratio_kept, dtype=float)
+    if fell.size + kept.size == 0:
+        raise ValueError("cause2_targets needs at least one ratio")
+    if (fell < 0).any() or (kept < 0).any() or not (np.isfinite(fell).all() and np.isfinite(kept).all()):
+        raise ValueError("cause2_targets: ratios are sizes, finite and >= 0")
+    pos = np.concatenate([fell[fell > 0], kept[kept > 0]])
+    lo = math.floor(math.log10(min(pos.min(), 0.1))) if pos.size else -3
+    hi = math.ceil(math.log10(max(pos.max(), 10.0))) if pos.size else 3
+    bins = 10.0 ** (np.arange((hi - lo) * 5 + 1) / 5 + lo)              # five bins a decade; 10^0 = 1 is an edge
+    bins[-lo * 5] = 1.0                                               # exactly, whatever 10.0 ** 0.0 rounds to
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    zk, zf = int((kept == 0).sum()), int((fell == 0).sum())
+    ax.hist([kept[kept > 0], fell[fell > 0]], bins=bins, stacked=True, color=["0.6", "tab:red"],
+            label=[f"divisor nonzero ({kept.size} coordinates" + (f"; {zk} with a target of 0, not drawn" if zk else "")
+                   + ")", f"fell back: divisor exactly 0 ({fell.size}" + (f"; {zf} with a target of 0, not drawn" if zf else "")
+                   + "), stacked on top"])
+    ax.axvline(1.0, color="black", ls="--", lw=1, label="one step of the own term (Exercise 4's rule)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(r"$|h_{\mathrm{target},k}|$ / one bfloat16 step of $(W_\mathrm{down} h_g)_k$")
+    ax.set_ylabel("coordinates (log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
 def start_layer_sweep(rows: list[dict]):
     """Against the start layer, one line per label: token match, median L∞, ‖Δv‖ at the start layer (what the first
     patched layer must absorb) and the median update norms. Labels are dodged sideways by 0.2 layer so that equal

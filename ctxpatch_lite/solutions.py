@@ -186,8 +186,19 @@ def bf16_step(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == 0, torch.zeros_like(step), step)
 
 
+def exact_zeros(W_down: torch.Tensor, h_g: torch.Tensor, h_target: torch.Tensor) -> torch.Tensor:
+    """Lesson 04b, Exercise 3: where the stable patch's bfloat16 layer computes an exact 0 (step 4's divisor, the
+    fallbacks of both causes). The patched layer adds two bfloat16 numbers: its own output (W_down h_g)_k, computed
+    in bfloat16 as the layer computes it, and the correction h_target,k - (W_down h_g)_k, computed in float32 and
+    rounded to bfloat16. ``W_down``: the layer's bfloat16 weight (d, f); ``h_g``: float32 (f,) holding bfloat16
+    values; ``h_target``: float32 (d,). A boolean mask (d,)."""
+    own = W_down @ h_g.to(W_down.dtype)                                         # the layer's own output
+    correction = (h_target.float() - W_down.float() @ h_g.float()).to(W_down.dtype)   # float32, then rounded
+    return own + correction == 0
+
+
 def cause2_candidates(own: torch.Tensor, target: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Lesson 04b, Exercise 3: the coordinates where a cause-2 fallback can happen (stable variant, divisor
+    """Lesson 04b, Exercise 4: the coordinates where a cause-2 fallback can happen (stable variant, divisor
     "actual"): a nonzero scale m_k, and a target |h_target,k| below one bfloat16 step of the layer's own term
     (W_down h_g)_k, ``own``. There the bfloat16 sum of the own term and the rounded correction can cancel exactly.
     Returns a boolean mask."""
@@ -195,7 +206,7 @@ def cause2_candidates(own: torch.Tensor, target: torch.Tensor, m: torch.Tensor) 
 
 
 def hard_case_y(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Lesson 04b, Part 2: Appendix B's step-2 minimiser in the *hard case* (no root of F below min m^2: every
+    """Lesson 04b, Exercise 5 (the appendix): Appendix B's step-2 minimiser in the *hard case* (no root of F below min m^2: every
     coordinate of smallest m_k^2 has g_k m_k = 0, and F <= 0 at min m^2 without them). mu = min m^2; every other
     coordinate gets y_k = g_k m_k / (m_k^2 - mu); the leftover norm n - sum of their y_k^2 is split evenly, with a
     positive sign, over the smallest-m^2 coordinates (the engine's choice, ``stable.invert_rows``), so mean(y^2) = 1."""

@@ -34,7 +34,7 @@ def accepts(check, fn, capsys, **kw):
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y",
-                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates"])
+                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates", "exact_zeros"])
 def test_a_stub_runs_the_solution_and_says_so(name, capsys):
     c = getattr(ex, f"check_{name}")(stub)
     out = capsys.readouterr().out
@@ -44,7 +44,7 @@ def test_a_stub_runs_the_solution_and_says_so(name, capsys):
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y",
-                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates"])
+                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates", "exact_zeros"])
 def test_a_check_run_twice_never_calls_the_solution_yours(name, capsys):
     """Running a check cell again feeds it its own result: after a stub, that is still the package's solution."""
     check = getattr(ex, f"check_{name}")
@@ -886,3 +886,29 @@ def test_cause2_candidates_wrong_answers():
     rejects(ex.check_cause2_candidates, lambda own, t, m: (m != 0) & (t.abs() < step(own) / 2), "one whole step")
     rejects(ex.check_cause2_candidates, lambda own, t, m: (m != 0) & (t.abs() < step(t)), "the own term's")
     rejects(ex.check_cause2_candidates, lambda own, t, m: ((m != 0) & (t.abs() < step(own))).float(), "boolean")
+
+
+# ------------------------------------------------------------------- where the bfloat16 layer computes an exact 0 (04b)
+def test_exact_zeros_accepts_correct_answers(capsys):
+    def with_mv(W, h, t):
+        own = torch.mv(W, h.bfloat16())
+        return (own.float() + (t - torch.mv(W.float(), h)).bfloat16().float()) == 0
+
+    c, out = accepts(ex.check_exact_zeros, sol.exact_zeros, capsys)
+    assert c.report["counts"]["zero target"][0] == c.report["counts"]["zero target"][1]
+    assert "0 of 48 with a larger one" in out
+    accepts(ex.check_exact_zeros, with_mv, capsys)
+
+
+def test_exact_zeros_wrong_answers():
+    own = lambda W, h: (W @ h.bfloat16()).float()
+    rejects(ex.check_exact_zeros, lambda W, h, t: own(W, h) + (t - W.float() @ h) == 0, "round the correction",
+            "False on every row")
+    rejects(ex.check_exact_zeros, lambda W, h, t: W.float() @ h + (t - W.float() @ h) == 0, "as the bfloat16 layer does")
+    rejects(ex.check_exact_zeros, lambda W, h, t: t.abs() < sol.bf16_step(own(W, h)), "necessary condition")
+    rejects(ex.check_exact_zeros, lambda W, h, t: (own(W, h) + (t - W.float() @ h).bfloat16().float()).abs() < 1e-3,
+            "(==)")
+    rejects(ex.check_exact_zeros, lambda W, h, t: own(W, h) + (W.float() @ h - t).bfloat16().float() == 0,
+            "check its sign")
+    rejects(ex.check_exact_zeros, lambda W, h, t: torch.ones(W.shape[0], dtype=torch.bool), "expected False")
+    rejects(ex.check_exact_zeros, lambda W, h, t: sol.exact_zeros(W, h, t).float(), "boolean")
