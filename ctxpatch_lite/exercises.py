@@ -1439,9 +1439,8 @@ def check_cause2_candidates(fn: Callable | None) -> Checked:
                                     f"target = {float(target[k]):.4g}, m = {float(m[k]):.3g}: expected "
                                     f"{bool(want[k])}, you return {bool(out[k])}. The mask is m_k != 0 and "
                                     "|target_k| < one bfloat16 step of own_k")
-    print(f"✓ cause2_candidates ({_whose(own_fn)}): exactly the coordinates with m_k != 0 and |h_target,k| below one "
-          f"bfloat16 step of the own term, on {own.numel()} cases ({int(want.sum())} of them candidates; targets at "
-          f"0.3 to 1.8 steps, of both signs, and zero scales)")
+    print(f"✓ cause2_candidates ({_whose(own_fn)}): the expected mask on {own.numel()} cases ({int(want.sum())} of them "
+          f"candidates; targets at 0.3 to 1.8 steps of the own term, of both signs, and zero scales)")
     return Checked("cause2_candidates", fn, own_fn, {"cases": own.numel(), "candidates": int(want.sum())})
 
 
@@ -1592,9 +1591,9 @@ def check_hard_case_y(fn: Callable | None) -> Checked:
         ref = solutions.hard_case_y(g, m)
         engine = engine and bool(((y - ref).abs().max() / ref.abs().max()) <= 1e-9)
     print(f"✓ hard_case_y ({_whose(own)}): on {len(cases)} hard cases (n = {min(g.numel() for g, _ in cases)} to "
-          f"{max(g.numel() for g, _ in cases)}, one with min m² = 0 as on the real model) μ = min m², y_k = "
-          f"g_k m_k / (m_k² − μ) away from it and mean(y²) = 1 to {worst:.1e}; "
-          + ("it is the engine's choice: the leftover split evenly, positive" if engine else
+          f"{max(g.numel() for g, _ in cases)}, one with min m² = 0 as on the real model) an optimal y, mean(y²) = 1 to "
+          f"{worst:.1e}; "
+          + ("it is the engine's choice" if engine else
              "the leftover is split otherwise than the engine's even, positive split: equally optimal (the objective "
              "sees only the sum of their squares)"))
     return Checked("hard_case_y", fn, own, {"cases": len(cases), "sizes": [g.numel() for g, _ in cases],
