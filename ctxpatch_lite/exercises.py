@@ -1598,3 +1598,60 @@ def check_hard_case_y(fn: Callable | None) -> Checked:
              "sees only the sum of their squares)"))
     return Checked("hard_case_y", fn, own, {"cases": len(cases), "sizes": [g.numel() for g, _ in cases],
                                             "max_error": worst, "engine_choice": engine})
+
+
+# ------------------------------------------------------------------------------- 04b: Part 3's paired sign test
+def _sign_cases() -> list:
+    """Per-token differences: a clear majority each way, a null split, ties (exact zeros) that must be dropped, a
+    small n where k* is near n, and one where no count can reach the level."""
+    g = _gen(620)
+    noise = lambda n: (torch.rand(n, generator=g) * 1e-2 + 1e-4).tolist()
+    return [[+x for x in noise(32)] + [-x for x in noise(8)],            # 32 of 40 positive
+            [+x for x in noise(9)] + [-x for x in noise(31)],            # 31 of 40 negative
+            [+x for x in noise(21)] + [-x for x in noise(19)],           # no verdict
+            [+x for x in noise(27)] + [0.0] * 9 + [-x for x in noise(4)],   # ties: n = 31, not 40
+            [+x for x in noise(9)] + [-x for x in noise(1)],             # n = 10: k* = 10
+            [+x for x in noise(5)]]                                      # n = 5: no count reaches 1 %
+
+
+def check_sign_test(fn: Callable | None) -> Checked:
+    """04b: ``fn(d, alpha)`` must return a dict with n, pos, neg, k_star and verdict as ``solutions.sign_test``:
+    ties dropped, k* the smallest k with P(X >= k) <= alpha for X ~ Bin(n, 1/2), exactly (n + 1 when none), the verdict
+    +1 / -1 / 0. Checked on six sets of differences at alpha = 0.01 and one at 0.05."""
+    cases = [(d, 0.01) for d in _sign_cases()] + [(_sign_cases()[2], 0.05)]
+    fn, own = _begin("sign_test", fn, cases[0])
+    for d, alpha in cases:
+        out = _call(fn, (list(d), alpha), "sign_test")
+        want = solutions.sign_test(d, alpha)
+        if not isinstance(out, dict) or not set(want) <= set(out):
+            raise ExerciseError(f"sign_test must return a dict with the keys {sorted(want)}; got "
+                                f"{sorted(out) if isinstance(out, dict) else type(out).__name__}")
+        got = {k: out[k] for k in want}
+        if want["k_star"] > want["n"] and isinstance(got["k_star"], (int, float)) and got["k_star"] > want["n"]:
+            got["k_star"] = want["k_star"]                             # no k reaches the level: any k* above n will do
+        if got == want:
+            continue
+        n_all = len(d)
+        if got["n"] == n_all != want["n"]:
+            raise ExerciseError(f"drop the ties: {n_all - want['n']} of these {n_all} differences are exactly 0, and "
+                                "a tie says nothing about the direction; n counts only d != 0")
+        if (got["pos"], got["neg"]) != (want["pos"], want["neg"]):
+            raise ExerciseError(f"pos counts d > 0 and neg counts d < 0 (expected {want['pos']} and {want['neg']}, "
+                                f"got {got['pos']} and {got['neg']})")
+        if got["k_star"] == want["k_star"] - 1:
+            raise ExerciseError("k* is the smallest k with P(X >= k) <= alpha, 'at least k', not 'more than k': the "
+                                "tail includes k itself")
+        if got["k_star"] != want["k_star"]:
+            from math import comb
+            n = want["n"]
+            two = next((k for k in range(n + 1) if sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n <= alpha / 2), n + 1)
+            raise ExerciseError("each one-sided test runs at the full alpha; halving it is the two-sided test"
+                                if got["k_star"] == two else
+                                f"with n = {n} and alpha = {alpha}, k* is {want['k_star']}, not {got['k_star']}: take "
+                                "the exact binomial tail, sum of C(n, j) / 2^n for j >= k (a normal approximation is "
+                                "off at small n)")
+        raise ExerciseError(f"the verdict is +1 if pos >= k*, -1 if neg >= k*, else 0 (expected {want['verdict']}, got "
+                            f"{got['verdict']}, with pos = {want['pos']}, neg = {want['neg']}, k* = {want['k_star']})")
+    print(f"✓ sign_test ({_whose(own)}): n, the counts, k* and the verdict on {len(cases)} sets of differences (ties, "
+          f"a small n, no verdict, and a level no count can reach included)")
+    return Checked("sign_test", fn, own, {"cases": len(cases)})

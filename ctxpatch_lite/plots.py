@@ -376,9 +376,9 @@ def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, o
 
 def cause2_targets(ratio_fell, ratio_kept, title: str = "Fallbacks away from the zero scales, by the size of the target"):
     """Lesson 04b, cause 2: the histogram, over the coordinates with m_k != 0 of every layer patched alone, of
-    |h_target,k| in bfloat16 steps of the layer's own (W_down h_g)_k, stacked by whether step 4's divisor came out
-    exactly 0 there (``ratio_fell``, on top) or not (``ratio_kept``), on a log axis whose bins have an edge at
-    exactly 1, the one-step line of Exercise 4's rule. A ratio of exactly 0 (a target of exactly 0) cannot sit on a
+    |h_target,k| in bfloat16 steps of the layer's own (W_down h_g)_k where step 4's divisor was not 0 (``ratio_kept``,
+    grey bars on a log axis whose bins have an edge at exactly 1, the one-step line of Exercise 4's rule), and one red
+    tick per coordinate where it came out exactly 0 (``ratio_fell``), so that each fallback shows, however few. A ratio of exactly 0 (a target of exactly 0) cannot sit on a
     log axis: such coordinates are counted in the legend, never moved to a floor."""
     fell = np.asarray(ratio_fell, dtype=float)
     kept = np.asarray(ratio_kept, dtype=float)
@@ -393,10 +393,12 @@ def cause2_targets(ratio_fell, ratio_kept, title: str = "Fallbacks away from the
     bins[-lo * 5] = 1.0                                               # exactly, whatever 10.0 ** 0.0 rounds to
     fig, ax = plt.subplots(figsize=(7.5, 4.0))
     zk, zf = int((kept == 0).sum()), int((fell == 0).sum())
-    ax.hist([kept[kept > 0], fell[fell > 0]], bins=bins, stacked=True, color=["0.6", "tab:red"],
-            label=[f"divisor nonzero ({kept.size} coordinates" + (f"; {zk} with a target of 0, not drawn" if zk else "")
-                   + ")", f"fell back: divisor exactly 0 ({fell.size}" + (f"; {zf} with a target of 0, not drawn" if zf else "")
-                   + "), stacked on top"])
+    ax.hist(kept[kept > 0], bins=bins, color="0.6", label=f"divisor nonzero ({kept.size} coordinates"
+            + (f"; {zk} with a target of 0, not drawn" if zk else "") + ")")
+    ax.plot(fell[fell > 0], np.full(int((fell > 0).sum()), 0.8), "|", color="tab:red", markersize=16, mew=2,
+            label=f"fell back: divisor exactly 0, one tick each ({fell.size}"
+            + (f"; {zf} with a target of 0, not drawn" if zf else "") + ")")
+    ax.set_ylim(bottom=0.5)
     ax.axvline(1.0, color="black", ls="--", lw=1, label="one step of the own term (Exercise 4's rule)")
     ax.set_xscale("log")
     ax.set_yscale("log")
