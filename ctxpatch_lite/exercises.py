@@ -1655,3 +1655,37 @@ def check_sign_test(fn: Callable | None) -> Checked:
     print(f"✓ sign_test ({_whose(own)}): n, the counts, k* and the verdict on {len(cases)} sets of differences (ties, "
           f"a small n, no verdict, and a level no count can reach included)")
     return Checked("sign_test", fn, own, {"cases": len(cases)})
+
+
+# ---------------------------------------------------------------------- 04b: how far rounding moves a miss (Part 1)
+def _bound_cases() -> tuple:
+    """Products and outputs of many sizes, some products far larger than their outputs (a sum that nearly cancels)."""
+    g = _gen(630)
+    out = (torch.randn(64, generator=g) * torch.logspace(-3, 2, 64)).float()
+    product = out * torch.logspace(0, 4, 64) * torch.where(torch.rand(64, generator=g) < 0.5, -1.0, 1.0)
+    return product.float(), out
+
+
+def check_rounding_bound(fn: Callable | None) -> Checked:
+    """04b: ``fn(product, out)`` must return 1 + (one bfloat16 step of product) / 2 / (one bfloat16 step of out), per
+    coordinate, to 1e-6 relative. Checked on 64 coordinates of many sizes."""
+    product, out = _bound_cases()
+    fn, own = _begin("rounding_bound", fn, (product, out))
+    got = _call(fn, (product, out), "rounding_bound")
+    want = solutions.rounding_bound(product, out)
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        raise ExerciseError(f"rounding_bound must return a tensor of the inputs' shape {tuple(want.shape)}")
+    got = got.float()
+    if _close(got, want, 1e-6):
+        print(f"✓ rounding_bound ({_whose(own)}): on {product.numel()} coordinates (products up to 1e4 times their outputs)")
+        return Checked("rounding_bound", fn, own, {"cases": product.numel()})
+    sp, so = solutions.bf16_step(product), solutions.bf16_step(out)
+    named = {
+        "add the one step that rounding the output and the target can move the miss (half a step each)": sp / 2 / so,
+        "the product is rounded by up to half of its step, not a whole one": 1.0 + sp / so,
+        "count in steps of the output: divide by one step of out (half a step of the product divided by one step of "
+        "the product, or of out by out, is a constant 1/2)": 1.0 + sp / 2 / sp,
+    }
+    hint = next((k for k, v in named.items() if _close(got, v, 1e-6)), None)
+    raise ExerciseError(hint or "the bound is 1 + bf16_step(product) / 2 / bf16_step(out), per coordinate: one step "
+                                "for the output and the target, half a step of the product, both in steps of out")

@@ -405,7 +405,7 @@ def cause2_targets(ratio_fell, ratio_kept, title: str = "Fallbacks away from the
     ax.set_xlabel(r"$|h_{\mathrm{target},k}|$ / one bfloat16 step of $(W_\mathrm{down} h_g)_k$")
     ax.set_ylabel("coordinates (log scale)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig
 

@@ -232,3 +232,11 @@ def sign_test(d, alpha: float = 0.01) -> dict:
     k_star = next((k for k in range(n + 1) if tail(k) <= alpha), n + 1)
     return {"n": n, "pos": pos, "neg": neg, "k_star": k_star,
             "verdict": 1 if pos >= k_star else -1 if neg >= k_star else 0}
+
+
+def rounding_bound(product: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Lesson 04b, Exercise 2b: the most that rounding can move the naive patch's miss at a coordinate, in bfloat16
+    steps of its output ``out``: one step for rounding the output and the target (half a step each), plus half a
+    step of the ``product`` (m_k + dm_k) h_hat_k, which the layer rounds at its own size before adding v_k. Both
+    float32 tensors of one shape; returns float32."""
+    return 1.0 + bf16_step(product) / 2 / bf16_step(out)
