@@ -1618,7 +1618,8 @@ def check_sign_test(fn: Callable | None) -> Checked:
     """04b: ``fn(d, alpha)`` must return a dict with n, pos, neg, k_star and verdict as ``solutions.sign_test``:
     ties dropped, k* the smallest k with P(X >= k) <= alpha for X ~ Bin(n, 1/2), exactly (n + 1 when none), the verdict
     +1 / -1 / 0. Checked on six sets of differences at alpha = 0.01 and one at 0.05."""
-    cases = [(d, 0.01) for d in _sign_cases()] + [(_sign_cases()[2], 0.05)]
+    sets = _sign_cases()
+    cases = [(d, 0.01) for d in sets] + [(sets[2], 0.05)]
     fn, own = _begin("sign_test", fn, cases[0])
     for d, alpha in cases:
         out = _call(fn, (list(d), alpha), "sign_test")
