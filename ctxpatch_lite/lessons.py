@@ -122,7 +122,6 @@ def error_formula_row(layer: int, act, rec, m, misses_actual: tuple, misses_reco
             "k": k, "dm_argmax": int(rec.dm.abs().argmax()), "dm_k": float(rec.dm[k]), "dh_k": float(dh[k]),
             "predicted_k": float(predicted[k]), "measured_k": float(measured[k]), "dh_max": float(dh.abs().max()),
             "hC_k": float(rec.h_recorded[k]), "m_k": float(m[k]),
-            "dh_actual_k": float(act.h[k].float() - act.h_recorded[k].float()),
             "predicted_actual_k": float(pred_a[k]), "measured_actual_k": float(meas_a[k]),
             "step_actual_k": step_a, "out_actual_k": float(act.out_patched[k]),
             "term_actual_k": float(product), "step_term_k": step_product, "dm_actual_k": float(act.dm[k]),

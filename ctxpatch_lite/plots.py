@@ -194,7 +194,7 @@ def summary(rows: list[dict], title: str = "Summary over prompts"):
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [1.6, 1]})
     labels = [r["label"] for r in rows]
     data = [np.log10(_positive(r["tvd"], 1e-16)) for r in rows]
-    a1.boxplot(data, vert=True, showfliers=True)
+    a1.boxplot(data, orientation="vertical", showfliers=True)
     a1.set_xticks(range(1, len(labels) + 1), labels, rotation=20, fontsize=8)
     a1.set_ylabel("log10 TVD per token")
     a1.set_title("TVD (log scale; lower is better)")
@@ -209,6 +209,86 @@ def summary(rows: list[dict], title: str = "Summary over prompts"):
     a2.set_ylabel("token match (%)")
     a2.set_title("token match (higher is better)")
     fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def paired_tvd(reference: list, others: dict, reference_label: str, title: str = ""):
+    """Token by token: one panel per entry of ``others`` (label -> per-token TVDs, in the order of ``reference``),
+    that configuration's TVD (y) against ``reference``'s (x) on log axes, with the diagonal y = x. Each panel's title
+    counts the tokens above the diagonal (further from the baseline than the reference), below it and on it. A TVD of
+    exactly 0 cannot sit on a log axis: such tokens are counted in the panel's legend and not drawn."""
+    ref = np.asarray(reference, dtype=float)
+    if ref.size == 0 or not others:
+        raise ValueError("paired_tvd needs per-token TVDs for the reference and at least one other configuration")
+    for label, ys in others.items():
+        if len(ys) != ref.size:
+            raise ValueError(f"paired_tvd: {label} has {len(ys)} TVDs, the reference {reference_label} {ref.size}; "
+                             "pair them token by token")
+    values = np.concatenate([ref] + [np.asarray(ys, dtype=float) for ys in others.values()])
+    if (values < 0).any() or not np.isfinite(values).all():
+        raise ValueError("paired_tvd: TVDs are distances, finite and >= 0")
+    pos = values[values > 0]
+    lo, hi = (pos.min() / 2, pos.max() * 2) if pos.size else (1e-3, 1.0)
+    fig, axes = plt.subplots(1, len(others), figsize=(4.6 * len(others), 4.4), squeeze=False)
+    for i, (ax, (label, ys)) in enumerate(zip(axes[0], others.items())):
+        ys = np.asarray(ys, dtype=float)
+        drawn = (ys > 0) & (ref > 0)
+        above, below = int((ys > ref).sum()), int((ys < ref).sum())
+        ax.plot([lo, hi], [lo, hi], color="black", lw=1, ls="--", label="y = x: the same TVD")
+        ax.plot(ref[drawn], ys[drawn], _marker(label, i)[0], color=_color(label, i), alpha=0.75, ms=6,
+                label=f"one token each ({int(drawn.sum())})" + (f"; {ref.size - int(drawn.sum())} with a TVD of 0, "
+                                                                 "not drawn" if not drawn.all() else ""))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_aspect("equal")
+        ax.set_xlabel(f"TVD, {reference_label}")
+        ax.set_ylabel(f"TVD, {label}")
+        ax.set_title(f"{label}: above y = x on {above} of {ref.size},\nbelow on {below}, on it on "
+                     f"{ref.size - above - below}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def sign_test(d, k_star: int, alpha: float = 0.01, title: str = ""):
+    """Lesson 04b, Part 3: the paired differences ``d`` (one per token) sorted, on a symmetric-log axis, red where
+    d_t > 0 and blue where d_t < 0 (ties, d_t = 0, grey on the axis); and beside them the two counts against the
+    declared threshold ``k_star`` of the one-sided sign tests at ``alpha``. A count that reaches the line gives a
+    verdict; neither reaching it means the run cannot tell."""
+    d = np.asarray(d, dtype=float)
+    if d.size == 0 or not np.isfinite(d).all():
+        raise ValueError("sign_test needs at least one finite difference")
+    pos, neg = int((d > 0).sum()), int((d < 0).sum())
+    order = np.sort(d)
+    nonzero = np.abs(order[order != 0])
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 3.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    colors = np.where(order > 0, "tab:red", np.where(order < 0, "tab:blue", "0.6"))
+    ax.bar(np.arange(d.size), order, color=colors, width=0.85)
+    ax.set_yscale("symlog", linthresh=float(np.median(nonzero)) / 10 if nonzero.size else 1e-6)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xlabel("tokens, sorted by $d_t$")
+    ax.set_ylabel("$d_t$ (symmetric log)")
+    ax.set_title(f"$d_t > 0$ (red) on {pos}, $d_t < 0$ (blue) on {neg}, ties on {d.size - pos - neg}", fontsize=10)
+    bars = ax2.bar([0, 1], [pos, neg], color=["tab:red", "tab:blue"])
+    for b, v in zip(bars, (pos, neg)):
+        ax2.text(b.get_x() + b.get_width() / 2, v + 0.5, str(v), ha="center", fontsize=9)
+    n = pos + neg
+    if k_star <= n:
+        ax2.axhline(k_star, color="black", ls="--", lw=1, label=f"$k^*$ = {k_star}: a verdict at α = {alpha:g}")
+    else:
+        ax2.axhline(n, color="black", ls=":", lw=1, label=f"no count of {n} can reach α = {alpha:g}")
+    ax2.set_xticks([0, 1], ["$d_t > 0$\nnaive hurt more", "$d_t < 0$\nstable hurt more"], fontsize=8)
+    ax2.set_ylim(0, max(n, k_star if k_star <= n else 0) * 1.15 + 1)
+    ax2.set_ylabel("tokens")
+    ax2.legend(fontsize=7, loc="upper right")
+    _integer_ticks(ax2, "y")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -316,16 +396,20 @@ def update_norms(rows: list[dict], title: str = "Update norms per variant (media
 
 def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, one coordinate per layer"):
     """Predicted against measured error at one coordinate per layer, log-log by size, with the line where they are
-    equal. ``rows`` hold ``layer``, ``predicted_k`` and ``measured_k`` (dividing by the recorded h_C: every one must
-    be nonzero, or this raises) and, optionally, ``predicted_actual_k`` and ``measured_actual_k`` (the actual
-    divisor, at the same coordinate), drawn where both are nonzero; the legend says how many. Colour: the layer.
+    equal. ``rows`` hold ``layer``, ``predicted_k`` and ``measured_k`` (dividing by the recorded h_C) and,
+    optionally, ``predicted_actual_k`` and ``measured_actual_k`` (the actual divisor, at the same coordinate). A size
+    of 0 cannot sit on a log axis: each divisor's points are drawn where both of its sizes are nonzero, and the
+    legend says on how many layers. Colour: the layer.
     Rows that also hold ``step_actual_k`` (one bfloat16 step of the actual divisor's output there) get a second panel:
     every layer's actual measured minus predicted miss in those steps, measured zeros included (hollow), beside the
     step by which rounding the output and the target (half a step each) can move it."""
-    pred = np.abs([r["predicted_k"] for r in rows])
-    meas = np.abs([r["measured_k"] for r in rows])
-    if (pred <= 0).any() or (meas <= 0).any():
-        raise ValueError("error_formula draws sizes on log axes: every predicted and measured error must be nonzero")
+    if not rows:
+        raise ValueError("error_formula needs at least one layer's row")
+    rec = [(r["layer"], abs(r["predicted_k"]), abs(r["measured_k"])) for r in rows]
+    drawn = [a for a in rec if a[1] > 0 and a[2] > 0]
+    if any(not math.isfinite(v) for a in rec for v in a[1:]):
+        raise ValueError("error_formula: every predicted and measured miss must be finite")
+    pred, meas = np.array([a[1] for a in drawn]), np.array([a[2] for a in drawn])
     act = [(r["layer"], abs(r["predicted_actual_k"]), abs(r["measured_actual_k"])) for r in rows
            if "predicted_actual_k" in r]
     shown = [a for a in act if a[1] > 0 and a[2] > 0]
@@ -335,12 +419,13 @@ def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, o
     else:
         fig, ax = plt.subplots(figsize=(6.2, 4.6))
     values = list(pred) + list(meas) + [v for a in shown for v in a[1:]]
-    lo, hi = min(values) / 2, max(values) * 2
+    lo, hi = (min(values) / 2, max(values) * 2) if values else (1e-3, 1.0)
     ax.plot([lo, hi], [lo, hi], ":", color="0.5", label="measured = predicted")
     layers = [r["layer"] for r in rows]
     norm = matplotlib.colors.Normalize(min(layers), max(layers))
-    pts = ax.scatter(pred, meas, c=layers, cmap="viridis", norm=norm, edgecolors="black", linewidths=0.4, s=40,
-                     zorder=3, label=r"recorded $h_C$: $(m_k + \Delta m_k)(\hat h_k - h_{C,k})$")
+    pts = ax.scatter(pred, meas, c=[a[0] for a in drawn], cmap="viridis", norm=norm, edgecolors="black",
+                     linewidths=0.4, s=40, zorder=3, label=r"recorded $h_C$: $(m_k + \Delta m_k)(\hat h_k - h_{C,k})$"
+                     + ("" if len(drawn) == len(rec) else f" ({len(drawn)} of {len(rec)} layers nonzero)"))
     if act:
         ax.scatter([a[1] for a in shown], [a[2] for a in shown], c=[a[0] for a in shown], cmap="viridis", norm=norm,
                    marker="s", edgecolors="black", linewidths=0.4, s=30, zorder=3,

@@ -155,7 +155,7 @@ def test_headline_points_and_reference_lines():
     assert ax.get_xlim()[0] < 2e-6 and ax.get_xlabel()
 
 
-def test_error_formula_draws_every_layer_and_refuses_a_zero():
+def test_error_formula_draws_every_layer_and_counts_a_zero():
     rows = [{"layer": l, "predicted_k": (-1) ** l * 10.0 ** l, "measured_k": 1.05 * (-1) ** l * 10.0 ** l} for l in range(4)]
     ax = plots.error_formula(rows).axes[0]
     assert ax.get_xscale() == ax.get_yscale() == "log"
@@ -167,8 +167,11 @@ def test_error_formula_draws_every_layer_and_refuses_a_zero():
     ax = plots.error_formula(both).axes[0]
     assert len(ax.collections[1].get_offsets()) == 3                 # the actual divisor's zero at layer 2 is not drawn
     assert "3 of 4 layers nonzero" in [t.get_text() for t in ax.get_legend().get_texts()][-1]
-    with pytest.raises(ValueError, match="nonzero"):
-        plots.error_formula(rows + [{"layer": 4, "predicted_k": 0.0, "measured_k": 1.0}])
+    zero = plots.error_formula(rows + [{"layer": 4, "predicted_k": 0.0, "measured_k": 1.0}]).axes[0]
+    assert len(zero.collections[0].get_offsets()) == 4                # a zero miss is counted, not drawn
+    assert "(4 of 5 layers nonzero)" in [t.get_text() for t in zero.get_legend().get_texts()][1]
+    with pytest.raises(ValueError, match="finite"):
+        plots.error_formula(rows + [{"layer": 4, "predicted_k": float("inf"), "measured_k": 1.0}])
     stepped = [r | {"step_actual_k": 0.5} for r in both]           # a second panel: every layer, zeros included
     stepped[1] |= {"measured_actual_k": 0.0}
     fig = plots.error_formula(stepped)
@@ -193,3 +196,32 @@ def test_cause2_targets_splits_the_coordinates_and_counts_the_zeros_it_cannot_dr
         plots.cause2_targets([-1.0], [1.0])
     with pytest.raises(ValueError, match="at least one"):
         plots.cause2_targets([], [])
+
+
+def test_paired_tvd_counts_and_refuses_unpaired():
+    ref = [1e-2, 2e-2, 3e-2, 0.0]
+    fig = plots.paired_tvd(ref, {"bfloat16-naive/recorded": [2e-2, 1e-2, 3e-2, 1e-3],
+                                 "bfloat16-stable/actual": [5e-3, 4e-2, 6e-2, 0.0]}, "bfloat16-naive/actual")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert "above y = x on 2 of 4" in titles[0] and "below on 1, on it on 1" in titles[0]
+    assert "above y = x on 2 of 4" in titles[1] and "below on 1, on it on 1" in titles[1]
+    labels = [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
+    assert any("1 with a TVD of 0, not drawn" in t for t in labels)
+    assert all(ax.get_xscale() == "log" and ax.get_yscale() == "log" for ax in fig.axes)
+    with pytest.raises(ValueError, match="pair them token by token"):
+        plots.paired_tvd(ref, {"x": [1e-2]}, "ref")
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        plots.paired_tvd([1e-2], {"x": [float("nan")]}, "ref")
+
+
+def test_sign_test_figure_counts_each_side_against_the_threshold():
+    d = [3e-3, -1e-3, 2e-2, 0.0, 5e-4, -4e-3]
+    fig = plots.sign_test(d, k_star=6)
+    ax, ax2 = fig.axes
+    assert ax.get_yscale() == "symlog" and len(ax.patches) == 6
+    assert "on 3" in ax.get_title() and "on 2, ties on 1" in ax.get_title()
+    assert [p.get_height() for p in ax2.patches] == [3, 2]
+    assert "no count of 5 can reach" in ax2.get_legend().get_texts()[0].get_text()
+    assert "k^*$ = 4" in plots.sign_test(d, k_star=4).axes[1].get_legend().get_texts()[0].get_text()
+    with pytest.raises(ValueError, match="finite"):
+        plots.sign_test([float("nan")], 1)
