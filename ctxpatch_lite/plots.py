@@ -213,44 +213,86 @@ def summary(rows: list[dict], title: str = "Summary over prompts"):
     return fig
 
 
-def paired_tvd(reference: list, others: dict, reference_label: str, title: str = ""):
-    """Token by token: one panel per entry of ``others`` (label -> per-token TVDs, in the order of ``reference``),
-    that configuration's TVD (y) against ``reference``'s (x) on log axes, with the diagonal y = x. Each panel's title
-    counts the tokens above the diagonal (further from the baseline than the reference), below it and on it. A TVD of
-    exactly 0 cannot sit on a log axis: such tokens are counted in the panel's legend and not drawn."""
-    ref = np.asarray(reference, dtype=float)
-    if ref.size == 0 or not others:
-        raise ValueError("paired_tvd needs per-token TVDs for the reference and at least one other configuration")
-    for label, ys in others.items():
-        if len(ys) != ref.size:
-            raise ValueError(f"paired_tvd: {label} has {len(ys)} TVDs, the reference {reference_label} {ref.size}; "
-                             "pair them token by token")
-    values = np.concatenate([ref] + [np.asarray(ys, dtype=float) for ys in others.values()])
-    if (values < 0).any() or not np.isfinite(values).all():
-        raise ValueError("paired_tvd: TVDs are distances, finite and >= 0")
+def paired_tvd(panels: list, title: str = ""):
+    """Token by token: one panel per ``(x_label, x_tvds, y_label, y_tvds)`` in ``panels`` (per-token TVDs of two
+    configurations on the same tokens, in the same order), y's TVD against x's on log axes, with the diagonal y = x.
+    Each panel's title counts the tokens above the diagonal (y further from the baseline than x), below it and on it.
+    A TVD of exactly 0 cannot sit on a log axis: such tokens are counted in the panel's legend and not drawn."""
+    if not panels:
+        raise ValueError("paired_tvd needs at least one panel (x_label, x_tvds, y_label, y_tvds)")
+    pairs = []
+    for x_label, xs, y_label, ys in panels:
+        xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+        if xs.size == 0 or xs.size != ys.size:
+            raise ValueError(f"paired_tvd: {y_label} has {ys.size} TVDs and {x_label} {xs.size}; pair them token by "
+                             "token (and give at least one)")
+        if (np.concatenate([xs, ys]) < 0).any() or not np.isfinite(np.concatenate([xs, ys])).all():
+            raise ValueError("paired_tvd: TVDs are distances, finite and >= 0")
+        pairs.append((x_label, xs, y_label, ys))
+    values = np.concatenate([v for _, xs, _, ys in pairs for v in (xs, ys)])
     pos = values[values > 0]
     lo, hi = (pos.min() / 2, pos.max() * 2) if pos.size else (1e-3, 1.0)
-    fig, axes = plt.subplots(1, len(others), figsize=(4.6 * len(others), 4.4), squeeze=False)
-    for i, (ax, (label, ys)) in enumerate(zip(axes[0], others.items())):
-        ys = np.asarray(ys, dtype=float)
-        drawn = (ys > 0) & (ref > 0)
-        above, below = int((ys > ref).sum()), int((ys < ref).sum())
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.4 * len(pairs), 4.4), squeeze=False)
+    for i, (ax, (x_label, xs, y_label, ys)) in enumerate(zip(axes[0], pairs)):
+        drawn = (ys > 0) & (xs > 0)
+        above, below = int((ys > xs).sum()), int((ys < xs).sum())
         ax.plot([lo, hi], [lo, hi], color="black", lw=1, ls="--", label="y = x: the same TVD")
-        ax.plot(ref[drawn], ys[drawn], _marker(label, i)[0], color=_color(label, i), alpha=0.75, ms=6,
-                label=f"one token each ({int(drawn.sum())})" + (f"; {ref.size - int(drawn.sum())} with a TVD of 0, "
-                                                                 "not drawn" if not drawn.all() else ""))
+        ax.plot(xs[drawn], ys[drawn], _marker(y_label, i)[0], color=_color(y_label, i), alpha=0.75, ms=6,
+                label=f"one token each ({int(drawn.sum())})" + (f"; {xs.size - int(drawn.sum())} with a TVD of 0, "
+                                                                "not drawn" if not drawn.all() else ""))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
         ax.set_aspect("equal")
-        ax.set_xlabel(f"TVD, {reference_label}")
-        ax.set_ylabel(f"TVD, {label}")
-        ax.set_title(f"{label}: above y = x on {above} of {ref.size},\nbelow on {below}, on it on "
-                     f"{ref.size - above - below}", fontsize=9)
+        ax.set_xlabel(f"TVD, {x_label}", fontsize=9)
+        ax.set_ylabel(f"TVD, {y_label}", fontsize=9)
+        ax.set_title(f"above y = x on {above} of {xs.size},\nbelow on {below}, on it on {xs.size - above - below}",
+                     fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
     if title:
         fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.93) if title else None)     # the panels' two-line titles clear the suptitle
+    return fig
+
+
+def rounding_difference(h_C, dh, scale, layer: int):
+    """Lesson 04b, Part 1, one layer's every coordinate: left, the rounding difference |h_hat_k - h_C,k| against
+    |h_C,k| on log axes with the line y = x (above it the difference is larger than the value itself); right, the
+    difference over ``scale`` (one bfloat16 step of the size of the terms the coordinate sums, the ruler the lesson
+    predicts it by), on a log axis, with the line at 1. Sizes of exactly 0 cannot sit on a log axis: they are counted
+    in the legends, not drawn."""
+    h_C, dh, scale = (np.abs(_host(x)).astype(float).reshape(-1) for x in (h_C, dh, scale))
+    if not (h_C.size == dh.size == scale.size) or h_C.size == 0:
+        raise ValueError("rounding_difference needs h_C, dh and scale of one common, nonzero length")
+    if not (np.isfinite(h_C).all() and np.isfinite(dh).all() and np.isfinite(scale).all()):
+        raise ValueError("rounding_difference: every value must be finite")
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 4.0))
+    drawn = (h_C > 0) & (dh > 0)
+    over = int((dh > h_C).sum())
+    ax.plot(h_C[drawn], dh[drawn], ".", color="tab:blue", alpha=0.5, ms=4,
+            label=f"one coordinate each ({int(drawn.sum())}" + (f"; {h_C.size - int(drawn.sum())} with a 0, not drawn"
+                                                                if not drawn.all() else "") + ")")
+    lo = min(h_C[drawn].min(), dh[drawn].min()) / 2 if drawn.any() else 1e-6
+    hi = max(h_C[drawn].max(), dh[drawn].max()) * 2 if drawn.any() else 1.0
+    ax.plot([lo, hi], [lo, hi], "--", color="black", lw=1, label=f"y = x (above it: {over} coordinates)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(r"$|h_{C,k}|$")
+    ax.set_ylabel(r"$|\hat h_k - h_{C,k}|$")
+    ax.set_title(f"layer {layer}: the rounding difference against the value", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    ok = (scale > 0) & (dh > 0)
+    ratio = dh[ok] / scale[ok]
+    if ratio.size:
+        bins = np.logspace(math.floor(math.log10(ratio.min())), max(1, math.ceil(math.log10(ratio.max()))), 30)
+        ax2.hist(ratio, bins=bins, color="0.55", label=f"coordinates ({ratio.size}; largest {ratio.max():.2g})")
+    ax2.axvline(1.0, color="black", ls="--", lw=1, label="one step of the terms' size")
+    ax2.set_xscale("log")
+    ax2.set_xlabel(r"$|\hat h_k - h_{C,k}|$ / one bfloat16 step of $\sum_j |W_{kj} h_{g,j}|$ (normalised)")
+    ax2.set_ylabel("coordinates")
+    ax2.set_title("the same difference, in steps of the terms' size", fontsize=10)
+    ax2.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig
 
@@ -269,7 +311,11 @@ def sign_test(d, k_star: int, alpha: float = 0.01, title: str = ""):
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 3.8), gridspec_kw={"width_ratios": [2.2, 1]})
     colors = np.where(order > 0, "tab:red", np.where(order < 0, "tab:blue", "0.6"))
     ax.bar(np.arange(d.size), order, color=colors, width=0.85)
-    ax.set_yscale("symlog", linthresh=float(np.median(nonzero)) / 10 if nonzero.size else 1e-6)
+    linthresh = float(np.median(nonzero)) / 10 if nonzero.size else 1e-6
+    ax.set_yscale("symlog", linthresh=linthresh)
+    if nonzero.size:                      # ticks at whole decades clear of the linear band, so no labels overlap at 0
+        decades = 10.0 ** np.arange(math.ceil(math.log10(linthresh)) + 1, math.ceil(math.log10(nonzero.max())) + 1)
+        ax.set_yticks(sorted([0.0] + [float(x) for x in decades] + [-float(x) for x in decades]))
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xlabel("tokens, sorted by $d_t$")
     ax.set_ylabel("$d_t$ (symmetric log)")
@@ -282,7 +328,8 @@ def sign_test(d, k_star: int, alpha: float = 0.01, title: str = ""):
         ax2.axhline(k_star, color="black", ls="--", lw=1, label=f"$k^*$ = {k_star}: a verdict at α = {alpha:g}")
     else:
         ax2.axhline(n, color="black", ls=":", lw=1, label=f"no count of {n} can reach α = {alpha:g}")
-    ax2.set_xticks([0, 1], ["$d_t > 0$\nnaive hurt more", "$d_t < 0$\nstable hurt more"], fontsize=8)
+    ax2.set_xticks([0, 1], ["$d_t > 0$: naive's TVD\nup more (or down less)",
+                            "$d_t < 0$: stable's TVD\nup more (or down less)"], fontsize=7)
     ax2.set_ylim(0, max(n, k_star if k_star <= n else 0) * 1.15 + 1)
     ax2.set_ylabel("tokens")
     ax2.legend(fontsize=7, loc="upper right")
@@ -463,8 +510,9 @@ def cause2_targets(ratio_fell, ratio_kept, title: str = "Fallbacks away from the
     """Lesson 04b, cause 2: the histogram, over the coordinates with m_k != 0 of every layer patched alone, of
     |h_target,k| in bfloat16 steps of the layer's own (W_down h_g)_k where step 4's divisor was not 0 (``ratio_kept``,
     grey bars on a log axis whose bins have an edge at exactly 1, the one-step line of Exercise 4's rule), and one red
-    tick per coordinate where it came out exactly 0 (``ratio_fell``), so that each fallback shows, however few. A ratio of exactly 0 (a target of exactly 0) cannot sit on a
-    log axis: such coordinates are counted in the legend, never moved to a floor."""
+    tick per coordinate where it came out exactly 0 (``ratio_fell``), so that each fallback shows, however few. A
+    ratio of exactly 0 (a target of exactly 0) cannot sit on a log axis: such coordinates are counted in the legend,
+    never moved to a floor."""
     fell = np.asarray(ratio_fell, dtype=float)
     kept = np.asarray(ratio_kept, dtype=float)
     if fell.size + kept.size == 0:

@@ -200,18 +200,22 @@ def test_cause2_targets_splits_the_coordinates_and_counts_the_zeros_it_cannot_dr
 
 def test_paired_tvd_counts_and_refuses_unpaired():
     ref = [1e-2, 2e-2, 3e-2, 0.0]
-    fig = plots.paired_tvd(ref, {"bfloat16-naive/recorded": [2e-2, 1e-2, 3e-2, 1e-3],
-                                 "bfloat16-stable/actual": [5e-3, 4e-2, 6e-2, 0.0]}, "bfloat16-naive/actual")
+    fig = plots.paired_tvd([("bfloat16-naive/actual", ref, "bfloat16-naive/recorded", [2e-2, 1e-2, 3e-2, 1e-3]),
+                            ("bfloat16-naive/actual", ref, "bfloat16-stable/actual", [5e-3, 4e-2, 6e-2, 0.0]),
+                            ("bfloat16-stable/actual", [5e-3, 4e-2, 6e-2, 0.0], "bfloat16-stable/recorded",
+                             [5e-3, 4e-2, 6e-2, 0.0])])
     titles = [ax.get_title() for ax in fig.axes]
     assert "above y = x on 2 of 4" in titles[0] and "below on 1, on it on 1" in titles[0]
     assert "above y = x on 2 of 4" in titles[1] and "below on 1, on it on 1" in titles[1]
+    assert "above y = x on 0 of 4" in titles[2] and "on it on 4" in titles[2]
+    assert fig.axes[2].get_xlabel() == "TVD, bfloat16-stable/actual"
     labels = [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
     assert any("1 with a TVD of 0, not drawn" in t for t in labels)
     assert all(ax.get_xscale() == "log" and ax.get_yscale() == "log" for ax in fig.axes)
     with pytest.raises(ValueError, match="pair them token by token"):
-        plots.paired_tvd(ref, {"x": [1e-2]}, "ref")
+        plots.paired_tvd([("ref", ref, "x", [1e-2])])
     with pytest.raises(ValueError, match="finite and >= 0"):
-        plots.paired_tvd([1e-2], {"x": [float("nan")]}, "ref")
+        plots.paired_tvd([("ref", [1e-2], "x", [float("nan")])])
 
 
 def test_sign_test_figure_counts_each_side_against_the_threshold():
@@ -225,3 +229,16 @@ def test_sign_test_figure_counts_each_side_against_the_threshold():
     assert "k^*$ = 4" in plots.sign_test(d, k_star=4).axes[1].get_legend().get_texts()[0].get_text()
     with pytest.raises(ValueError, match="finite"):
         plots.sign_test([float("nan")], 1)
+
+
+def test_rounding_difference_counts_the_coordinates_above_the_line():
+    h_C = torch.tensor([1e-4, 1e-2, 0.5, 0.0])
+    dh = torch.tensor([1e-3, 1e-3, 1e-3, 2e-3])
+    fig = plots.rounding_difference(h_C, dh, torch.full((4,), 1e-2), layer=3)
+    ax, ax2 = fig.axes
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "above it: 2 coordinates" in texts[1] and "1 with a 0, not drawn" in texts[0]
+    assert ax.get_xscale() == ax.get_yscale() == ax2.get_xscale() == "log"
+    assert any("largest 0.2" in t.get_text() for t in ax2.get_legend().get_texts())
+    with pytest.raises(ValueError, match="common"):
+        plots.rounding_difference(h_C, dh[:2], dh, layer=0)
