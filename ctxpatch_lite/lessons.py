@@ -106,7 +106,7 @@ def error_formula_row(layer: int, act, rec, m, misses_actual: tuple, misses_reco
     learner's ``bf16_step``. The coordinate ``k`` is where the predicted ``recorded`` miss is largest; the record
     holds the ingredients there, both misses for both divisors, and the rulers (one bfloat16 step of the output at
     ``k``, of the product (m_k + dm_k) h_hat_k that ``actual``'s layer rounds at its own size, and of the layer's
-    largest target output over that output), and ``recorded``'s own product and output at ``k``."""
+    largest target output over that output)."""
     import torch
 
     pred_a, meas_a = misses_actual
@@ -124,8 +124,6 @@ def error_formula_row(layer: int, act, rec, m, misses_actual: tuple, misses_reco
             "hC_k": float(rec.h_recorded[k]), "m_k": float(m[k]),
             "predicted_actual_k": float(pred_a[k]), "measured_actual_k": float(meas_a[k]),
             "step_actual_k": step_a, "out_actual_k": float(act.out_patched[k]),
-            "out_recorded_k": float(rec.out_patched[k]),
-            "term_recorded_k": float((m[k] + rec.dm[k].float()) * rec.h[k].float()),   # recorded's (m_k + dm_k) h_hat_k
             "term_actual_k": float(product), "step_term_k": step_product, "dm_actual_k": float(act.dm[k]),
             "h_hat_k": float(act.h[k]), "v_k": float(act.v[k]),
             "term_half_steps": step_product / 2 / step_a,                 # half a step of the product, in steps of out_k
