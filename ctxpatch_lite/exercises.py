@@ -1388,6 +1388,9 @@ def check_bf16_step(fn: Callable | None) -> Checked:
 
 
 # ------------------------------------------------------------------------------- 04b: where cause 2 can fall back
+_CAUSE2_FRACTIONS = [0.3, 0.99, 1.0, 1.01, 1.8, 0.5]   # targets, in bfloat16 steps of the own term
+
+
 def _cause2_cases() -> tuple:
     """Own terms of many sizes (zeros among them), targets at set fractions of one bfloat16 step of the own term
     (0.3, 0.99, exactly 1, 1.01, 1.8, and of either sign), and scales with exact zeros."""
@@ -1396,7 +1399,7 @@ def _cause2_cases() -> tuple:
     own = (torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 3, (n,), generator=g)).float()
     own = own.to(torch.bfloat16).float()            # the layer's own term is a bfloat16 number
     own[::97] = 0.0
-    frac = torch.tensor([0.3, 0.99, 1.0, 1.01, 1.8, 0.5])[torch.randint(0, 6, (n,), generator=g)]
+    frac = torch.tensor(_CAUSE2_FRACTIONS)[torch.randint(0, len(_CAUSE2_FRACTIONS), (n,), generator=g)]
     sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
     target = (sign * frac * solutions.bf16_step(own)).float()
     target[own == 0] = 1e-3
@@ -1440,8 +1443,10 @@ def check_cause2_candidates(fn: Callable | None) -> Checked:
                                     f"{bool(want[k])}, you return {bool(out[k])}. The mask is m_k != 0 and "
                                     "|target_k| < one bfloat16 step of own_k")
     print(f"✓ cause2_candidates ({_whose(own_fn)}): the expected mask on {own.numel()} cases ({int(want.sum())} of them "
-          f"candidates; targets at 0.3 to 1.8 steps of the own term, of both signs, and zero scales)")
-    return Checked("cause2_candidates", fn, own_fn, {"cases": own.numel(), "candidates": int(want.sum())})
+          f"candidates; targets at {min(_CAUSE2_FRACTIONS)} to {max(_CAUSE2_FRACTIONS)} steps of the own term, of both "
+          f"signs, and zero scales)")
+    return Checked("cause2_candidates", fn, own_fn, {"cases": own.numel(), "candidates": int(want.sum()),
+                                                     "target_steps": [min(_CAUSE2_FRACTIONS), max(_CAUSE2_FRACTIONS)]})
 
 
 # ---------------------------------------------------------------------------------- 04b: where bfloat16 gives exact zeros
@@ -1504,6 +1509,10 @@ def check_exact_zeros(fn: Callable | None) -> Checked:
                 (own_bf + corr32.to(torch.bfloat16).float()).abs() < 1e-3,
             "the correction is the target minus the own output, h_target - W_down h_g (then rounded), not its negative":
                 own_bf + (exact32 - t).to(torch.bfloat16).float() == 0,
+            "the engine subtracts the product as it computes it in float32 (W_down and h_g converted first), not the "
+            "layer's bfloat16 own output: h_target - own_bf would cancel the own output exactly wherever the target is "
+            "0, which the float32 product does not":
+                own_bf + (t - own_bf).to(torch.bfloat16).float() == 0,
         }
         hint = next((k for k, v in named.items() if torch.equal(out, v)), None)
         k = int((out != want).nonzero()[0])
@@ -1600,7 +1609,7 @@ def check_hard_case_y(fn: Callable | None) -> Checked:
                                             "max_error": worst, "engine_choice": engine})
 
 
-# ------------------------------------------------------------------------------- 04b: Part 3's paired sign test
+# ------------------------------------------------------------------------------- 04: Part B's paired sign test
 def _sign_cases() -> list:
     """Per-token differences: a clear majority each way, a null split, ties (exact zeros) that must be dropped, a
     small n where k* is near n, and one where no count can reach the level."""
@@ -1615,7 +1624,7 @@ def _sign_cases() -> list:
 
 
 def check_sign_test(fn: Callable | None) -> Checked:
-    """04b: ``fn(d, alpha)`` must return a dict with n, pos, neg, k_star and verdict as ``solutions.sign_test``:
+    """04: ``fn(d, alpha)`` must return a dict with n, pos, neg, k_star and verdict as ``solutions.sign_test``:
     ties dropped, k* the smallest k with P(X >= k) <= alpha for X ~ Bin(n, 1/2), exactly (n + 1 when none), the verdict
     +1 / -1 / 0. Checked on six sets of differences at alpha = 0.01 and one at 0.05."""
     sets = _sign_cases()
@@ -1653,40 +1662,6 @@ def check_sign_test(fn: Callable | None) -> Checked:
                                 "off at small n)")
         raise ExerciseError(f"the verdict is +1 if pos >= k*, -1 if neg >= k*, else 0 (expected {want['verdict']}, got "
                             f"{got['verdict']}, with pos = {want['pos']}, neg = {want['neg']}, k* = {want['k_star']})")
-    print(f"✓ sign_test ({_whose(own)}): n, the counts, k* and the verdict on {len(cases)} sets of differences (ties, "
-          f"a small n, no verdict, and a level no count can reach included)")
+    print(f"✓ sign_test ({_whose(own)}): n, the counts, k* and the verdict on {len(sets)} sets of differences at "
+          f"alpha = 0.01 (ties, a small n, no verdict, and a level no count can reach included) and one again at 0.05")
     return Checked("sign_test", fn, own, {"cases": len(cases)})
-
-
-# ---------------------------------------------------------------------- 04b: how far rounding moves a miss (Part 1)
-def _bound_cases() -> tuple:
-    """Products and outputs of many sizes, some products far larger than their outputs (a sum that nearly cancels)."""
-    g = _gen(630)
-    out = (torch.randn(64, generator=g) * torch.logspace(-3, 2, 64)).float()
-    product = out * torch.logspace(0, 4, 64) * torch.where(torch.rand(64, generator=g) < 0.5, -1.0, 1.0)
-    return product.float(), out
-
-
-def check_rounding_bound(fn: Callable | None) -> Checked:
-    """04b: ``fn(product, out)`` must return 1 + (one bfloat16 step of product) / 2 / (one bfloat16 step of out), per
-    coordinate, to 1e-6 relative. Checked on 64 coordinates of many sizes."""
-    product, out = _bound_cases()
-    fn, own = _begin("rounding_bound", fn, (product, out))
-    got = _call(fn, (product, out), "rounding_bound")
-    want = solutions.rounding_bound(product, out)
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        raise ExerciseError(f"rounding_bound must return a tensor of the inputs' shape {tuple(want.shape)}")
-    got = got.float()
-    if _close(got, want, 1e-6):
-        print(f"✓ rounding_bound ({_whose(own)}): on {product.numel()} coordinates (products up to 1e4 times their outputs)")
-        return Checked("rounding_bound", fn, own, {"cases": product.numel()})
-    sp, so = solutions.bf16_step(product), solutions.bf16_step(out)
-    named = {
-        "add the one step that rounding the output and the target can move the miss (half a step each)": sp / 2 / so,
-        "the product is rounded by up to half of its step, not a whole one": 1.0 + sp / so,
-        "count in steps of the output: divide by one step of out (half a step of the product divided by one step of "
-        "the product, or of out by out, is a constant 1/2)": 1.0 + sp / 2 / sp,
-    }
-    hint = next((k for k, v in named.items() if _close(got, v, 1e-6)), None)
-    raise ExerciseError(hint or "the bound is 1 + bf16_step(product) / 2 / bf16_step(out), per coordinate: one step "
-                                "for the output and the target, half a step of the product, both in steps of out")

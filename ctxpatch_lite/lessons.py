@@ -104,32 +104,20 @@ def error_formula_row(layer: int, act, rec, m, misses_actual: tuple, misses_reco
     with each divisor (``act``, ``rec``: ``single_block_patch`` results), its scale ``m`` (float32), the
     ``(predicted, measured)`` misses per coordinate that the learner's ``layer_misses`` returned for each, and the
     learner's ``bf16_step``. The coordinate ``k`` is where the predicted ``recorded`` miss is largest; the record
-    holds the ingredients there, both misses for both divisors, and the rulers (one bfloat16 step of the output at
-    ``k``, of the product (m_k + dm_k) h_hat_k that ``actual``'s layer rounds at its own size, and of the layer's
-    largest target output over that output)."""
+    holds the ingredients there, both misses for both divisors, and the ruler of the first table (one bfloat16 step of
+    the layer's largest target output, over that output)."""
     import torch
 
     pred_a, meas_a = misses_actual
     predicted, measured = misses_recorded
     k = int(predicted.abs().argmax())
     dh = rec.h.float() - rec.h_recorded.float()                          # h_hat - h_C, taken in float32
-    step_out = float(bf16_step(rec.out_patched.float())[k])              # one step of recorded's output at k
     t_max = rec.out_target.float().abs().max()
-    step_a = float(bf16_step(act.out_patched.float())[k])                # one step of actual's output at k
-    product = (m[k] + act.dm[k].float()) * act.h[k].float()              # actual's (m_k + dm_k) h_hat_k
-    step_product = float(bf16_step(product[None])[0])
     return {"layer": layer, "unpatched": rec.unpatched_rel_error, "actual": act.rel_error, "recorded": rec.rel_error,
             "k": k, "dm_argmax": int(rec.dm.abs().argmax()), "dm_k": float(rec.dm[k]), "dh_k": float(dh[k]),
             "predicted_k": float(predicted[k]), "measured_k": float(measured[k]), "dh_max": float(dh.abs().max()),
             "hC_k": float(rec.h_recorded[k]), "m_k": float(m[k]),
             "predicted_actual_k": float(pred_a[k]), "measured_actual_k": float(meas_a[k]),
-            "step_actual_k": step_a, "out_actual_k": float(act.out_patched[k]),
-            "term_actual_k": float(product), "step_term_k": step_product, "dm_actual_k": float(act.dm[k]),
-            "h_hat_k": float(act.h[k]), "v_k": float(act.v[k]),
-            "term_half_steps": step_product / 2 / step_a,                 # half a step of the product, in steps of out_k
-            "measured_actual_steps": abs(float(meas_a[k])) / step_a,
-            "off_actual_steps": abs(float(meas_a[k] - pred_a[k])) / step_a,
             "step": float(bf16_step(t_max[None])[0] / t_max),
             "max_target": float(t_max),
-            "rest_steps": abs(float(measured[k]) - float(predicted[k])) / step_out,
             "same_h": bool(torch.equal(rec.h, act.h))}

@@ -215,7 +215,8 @@ def summary(rows: list[dict], title: str = "Summary over prompts"):
 
 def paired_tvd(panels: list, title: str = ""):
     """Token by token: one panel per ``(x_label, x_tvds, y_label, y_tvds)`` in ``panels`` (per-token TVDs of two
-    configurations on the same tokens, in the same order), y's TVD against x's on log axes, with the diagonal y = x.
+    configurations on the same tokens, in the same order), y's TVD against x's on log axes, with the diagonal y = x;
+    up to three panels in a row, four as a 2 x 2 grid.
     Each panel's title counts the tokens above the diagonal (y further from the baseline than x), below it and on it.
     A TVD of exactly 0 cannot sit on a log axis: such tokens are counted in the panel's legend and not drawn."""
     if not panels:
@@ -232,8 +233,12 @@ def paired_tvd(panels: list, title: str = ""):
     values = np.concatenate([v for _, xs, _, ys in pairs for v in (xs, ys)])
     pos = values[values > 0]
     lo, hi = (pos.min() / 2, pos.max() * 2) if pos.size else (1e-3, 1.0)
-    fig, axes = plt.subplots(1, len(pairs), figsize=(4.4 * len(pairs), 4.4), squeeze=False)
-    for i, (ax, (x_label, xs, y_label, ys)) in enumerate(zip(axes[0], pairs)):
+    ncols = 2 if len(pairs) == 4 else min(len(pairs), 3)                 # four panels as a 2 x 2 grid
+    nrows = -(-len(pairs) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 4.4 * nrows), squeeze=False)
+    for ax in axes.flat[len(pairs):]:
+        ax.set_visible(False)
+    for i, (ax, (x_label, xs, y_label, ys)) in enumerate(zip(axes.flat, pairs)):
         drawn = (ys > 0) & (xs > 0)
         above, below = int((ys > xs).sum()), int((ys < xs).sum())
         ax.plot([lo, hi], [lo, hi], color="black", lw=1, ls="--", label="y = x: the same TVD")
@@ -252,7 +257,7 @@ def paired_tvd(panels: list, title: str = ""):
         ax.legend(fontsize=7, loc="upper left")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.93) if title else None)     # the panels' two-line titles clear the suptitle
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.07 / nrows) if title else None)   # the two-line titles clear the suptitle
     return fig
 
 
@@ -293,49 +298,6 @@ def rounding_difference(h_C, dh, scale, layer: int):
     ax2.set_ylabel("coordinates")
     ax2.set_title("the same difference, in steps of the terms' size", fontsize=10)
     ax2.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    return fig
-
-
-def sign_test(d, k_star: int, alpha: float = 0.01, title: str = ""):
-    """Lesson 04b, Part 3: the paired differences ``d`` (one per token) sorted, on a symmetric-log axis, red where
-    d_t > 0 and blue where d_t < 0 (ties, d_t = 0, grey on the axis); and beside them the two counts against the
-    declared threshold ``k_star`` of the one-sided sign tests at ``alpha``. A count that reaches the line gives a
-    verdict; neither reaching it means the run cannot tell."""
-    d = np.asarray(d, dtype=float)
-    if d.size == 0 or not np.isfinite(d).all():
-        raise ValueError("sign_test needs at least one finite difference")
-    pos, neg = int((d > 0).sum()), int((d < 0).sum())
-    order = np.sort(d)
-    nonzero = np.abs(order[order != 0])
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 3.8), gridspec_kw={"width_ratios": [2.2, 1]})
-    colors = np.where(order > 0, "tab:red", np.where(order < 0, "tab:blue", "0.6"))
-    ax.bar(np.arange(d.size), order, color=colors, width=0.85)
-    linthresh = float(np.median(nonzero)) / 10 if nonzero.size else 1e-6
-    ax.set_yscale("symlog", linthresh=linthresh)
-    if nonzero.size:                      # ticks at whole decades clear of the linear band, so no labels overlap at 0
-        decades = 10.0 ** np.arange(math.ceil(math.log10(linthresh)) + 1, math.ceil(math.log10(nonzero.max())) + 1)
-        ax.set_yticks(sorted([0.0] + [float(x) for x in decades] + [-float(x) for x in decades]))
-    ax.axhline(0, color="black", lw=0.8)
-    ax.set_xlabel("tokens, sorted by $d_t$")
-    ax.set_ylabel("$d_t$ (symmetric log)")
-    ax.set_title(f"$d_t > 0$ (red) on {pos}, $d_t < 0$ (blue) on {neg}, ties on {d.size - pos - neg}", fontsize=10)
-    bars = ax2.bar([0, 1], [pos, neg], color=["tab:red", "tab:blue"])
-    for b, v in zip(bars, (pos, neg)):
-        ax2.text(b.get_x() + b.get_width() / 2, v + 0.5, str(v), ha="center", fontsize=9)
-    n = pos + neg
-    if k_star <= n:
-        ax2.axhline(k_star, color="black", ls="--", lw=1, label=f"$k^*$ = {k_star}: a verdict at α = {alpha:g}")
-    else:
-        ax2.axhline(n, color="black", ls=":", lw=1, label=f"no count of {n} can reach α = {alpha:g}")
-    ax2.set_xticks([0, 1], ["$d_t > 0$: naive's TVD\nup more (or down less)",
-                            "$d_t < 0$: stable's TVD\nup more (or down less)"], fontsize=7)
-    ax2.set_ylim(0, max(n, k_star if k_star <= n else 0) * 1.15 + 1)
-    ax2.set_ylabel("tokens")
-    ax2.legend(fontsize=7, loc="upper right")
-    _integer_ticks(ax2, "y")
-    if title:
-        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -446,10 +408,7 @@ def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, o
     equal. ``rows`` hold ``layer``, ``predicted_k`` and ``measured_k`` (dividing by the recorded h_C) and,
     optionally, ``predicted_actual_k`` and ``measured_actual_k`` (the actual divisor, at the same coordinate). A size
     of 0 cannot sit on a log axis: each divisor's points are drawn where both of its sizes are nonzero, and the
-    legend says on how many layers. Colour: the layer.
-    Rows that also hold ``step_actual_k`` (one bfloat16 step of the actual divisor's output there) get a second panel:
-    every layer's actual measured minus predicted miss in those steps, measured zeros included (hollow), beside the
-    step by which rounding the output and the target (half a step each) can move it."""
+    legend says on how many layers. Colour: the layer."""
     if not rows:
         raise ValueError("error_formula needs at least one layer's row")
     rec = [(r["layer"], abs(r["predicted_k"]), abs(r["measured_k"])) for r in rows]
@@ -460,11 +419,7 @@ def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, o
     act = [(r["layer"], abs(r["predicted_actual_k"]), abs(r["measured_actual_k"])) for r in rows
            if "predicted_actual_k" in r]
     shown = [a for a in act if a[1] > 0 and a[2] > 0]
-    steps = [r for r in rows if "step_actual_k" in r and "measured_actual_k" in r]
-    if steps:
-        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.5, 4.6), gridspec_kw={"width_ratios": [1.25, 1]})
-    else:
-        fig, ax = plt.subplots(figsize=(6.2, 4.6))
+    fig, ax = plt.subplots(figsize=(6.2, 4.6))
     values = list(pred) + list(meas) + [v for a in shown for v in a[1:]]
     lo, hi = (min(values) / 2, max(values) * 2) if values else (1e-3, 1.0)
     ax.plot([lo, hi], [lo, hi], ":", color="0.5", label="measured = predicted")
@@ -478,22 +433,6 @@ def error_formula(rows: list[dict], title: str = "The bfloat16 error formulas, o
                    marker="s", edgecolors="black", linewidths=0.4, s=30, zorder=3,
                    label=rf"actual $\hat h$: $m_k(\hat h_k - h_{{C,k}})$ ({len(shown)} of {len(act)} layers nonzero)")
     fig.colorbar(pts, ax=ax, label="layer")
-    if steps:
-        off = [(r["measured_actual_k"] - r["predicted_actual_k"]) / r["step_actual_k"] for r in steps]
-        zero = [r["measured_actual_k"] == 0 for r in steps]
-        xs = [r["layer"] for r in steps]
-        ax2.axhspan(-1, 1, color="0.88", zorder=0, label="± one step: rounding the output and the target")
-        ax2.axhline(0, color="0.5", lw=0.8, ls=":")
-        ax2.scatter([x for x, z in zip(xs, zero) if not z], [o for o, z in zip(off, zero) if not z], marker="s",
-                    c=[x for x, z in zip(xs, zero) if not z], cmap="viridis", norm=norm, edgecolors="black",
-                    linewidths=0.4, s=34, zorder=3, label="measured miss nonzero")
-        ax2.scatter([x for x, z in zip(xs, zero) if z], [o for o, z in zip(off, zero) if z], marker="s",
-                    facecolors="none", edgecolors="black", linewidths=0.9, s=34, zorder=3, label="measured miss 0")
-        ax2.set_xlabel("layer")
-        ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax2.set_ylabel("actual: (measured − predicted) / 1 step of out_k")
-        ax2.set_title(r"actual $\hat h$, every layer, in bfloat16 steps of the output at k", fontsize=10)
-        ax2.legend(fontsize=7, loc="best")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)

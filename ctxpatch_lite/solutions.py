@@ -206,7 +206,7 @@ def cause2_candidates(own: torch.Tensor, target: torch.Tensor, m: torch.Tensor) 
 
 
 def hard_case_y(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Lesson 04b, Exercise 6 (the appendix): Appendix B's step-2 minimiser in the *hard case* (no root of F below min m^2: every
+    """Lesson 04b, Exercise 5 (the appendix): Appendix B's step-2 minimiser in the *hard case* (no root of F below min m^2: every
     coordinate of smallest m_k^2 has g_k m_k = 0, and F <= 0 at min m^2 without them). mu = min m^2; every other
     coordinate gets y_k = g_k m_k / (m_k^2 - mu); the leftover norm n - sum of their y_k^2 is split evenly, with a
     positive sign, over the smallest-m^2 coordinates (the engine's choice, ``stable.invert_rows``), so mean(y^2) = 1."""
@@ -219,7 +219,7 @@ def hard_case_y(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def sign_test(d, alpha: float = 0.01) -> dict:
-    """Lesson 04b, Exercise 5: the paired sign test of Part 3, one-sided each way at level ``alpha``. ``d``: the
+    """Lesson 04, Exercise 4: the paired sign test of Part B, one-sided each way at level ``alpha``. ``d``: the
     per-token differences (a sequence of floats). Ties (d == 0) are dropped; n counts the rest. k* is the smallest k
     with P(X >= k) <= alpha for X ~ Bin(n, 1/2) (n + 1 when no k qualifies). Returns n, the counts ``pos`` (d > 0) and
     ``neg`` (d < 0), ``k_star``, and ``verdict``: +1 if pos >= k*, -1 if neg >= k*, else 0."""
@@ -232,11 +232,3 @@ def sign_test(d, alpha: float = 0.01) -> dict:
     k_star = next((k for k in range(n + 1) if tail(k) <= alpha), n + 1)
     return {"n": n, "pos": pos, "neg": neg, "k_star": k_star,
             "verdict": 1 if pos >= k_star else -1 if neg >= k_star else 0}
-
-
-def rounding_bound(product: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Lesson 04b, Exercise 2b: the most that rounding can move the naive patch's miss at a coordinate, in bfloat16
-    steps of its output ``out``: one step for rounding the output and the target (half a step each), plus half a
-    step of the ``product`` (m_k + dm_k) h_hat_k, which the layer rounds at its own size before adding v_k. Both
-    float32 tensors of one shape; returns float32."""
-    return 1.0 + bf16_step(product) / 2 / bf16_step(out)

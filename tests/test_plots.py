@@ -172,14 +172,6 @@ def test_error_formula_draws_every_layer_and_counts_a_zero():
     assert "(4 of 5 layers nonzero)" in [t.get_text() for t in zero.get_legend().get_texts()][1]
     with pytest.raises(ValueError, match="finite"):
         plots.error_formula(rows + [{"layer": 4, "predicted_k": float("inf"), "measured_k": 1.0}])
-    stepped = [r | {"step_actual_k": 0.5} for r in both]           # a second panel: every layer, zeros included
-    stepped[1] |= {"measured_actual_k": 0.0}
-    fig = plots.error_formula(stepped)
-    ax2 = fig.axes[1]
-    filled, hollow = ax2.collections[-2:]
-    assert len(filled.get_offsets()) == 3 and len(hollow.get_offsets()) == 1
-    assert hollow.get_offsets()[0][1] == pytest.approx((0.0 - 0.2) / 0.5)   # (measured - predicted) in steps
-
 
 def test_cause2_targets_splits_the_coordinates_and_counts_the_zeros_it_cannot_draw():
     fig = plots.cause2_targets([0.3, 0.6, 0.9], [0.5, 2.0, 40.0, 1e3, 0.0])
@@ -212,23 +204,15 @@ def test_paired_tvd_counts_and_refuses_unpaired():
     labels = [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
     assert any("1 with a TVD of 0, not drawn" in t for t in labels)
     assert all(ax.get_xscale() == "log" and ax.get_yscale() == "log" for ax in fig.axes)
+    grid = plots.paired_tvd([("ref", ref, "y", ref)] * 4)          # four panels: a 2 x 2 grid, all visible
+    assert len(grid.axes) == 4 and all(ax.get_visible() for ax in grid.axes)
+    assert grid.axes[2].get_position().y1 < grid.axes[0].get_position().y0
+    five = plots.paired_tvd([("ref", ref, "y", ref)] * 5)          # five: two rows of three, the sixth hidden
+    assert sum(ax.get_visible() for ax in five.axes) == 5
     with pytest.raises(ValueError, match="pair them token by token"):
         plots.paired_tvd([("ref", ref, "x", [1e-2])])
     with pytest.raises(ValueError, match="finite and >= 0"):
         plots.paired_tvd([("ref", [1e-2], "x", [float("nan")])])
-
-
-def test_sign_test_figure_counts_each_side_against_the_threshold():
-    d = [3e-3, -1e-3, 2e-2, 0.0, 5e-4, -4e-3]
-    fig = plots.sign_test(d, k_star=6)
-    ax, ax2 = fig.axes
-    assert ax.get_yscale() == "symlog" and len(ax.patches) == 6
-    assert "on 3" in ax.get_title() and "on 2, ties on 1" in ax.get_title()
-    assert [p.get_height() for p in ax2.patches] == [3, 2]
-    assert "no count of 5 can reach" in ax2.get_legend().get_texts()[0].get_text()
-    assert "k^*$ = 4" in plots.sign_test(d, k_star=4).axes[1].get_legend().get_texts()[0].get_text()
-    with pytest.raises(ValueError, match="finite"):
-        plots.sign_test([float("nan")], 1)
 
 
 def test_rounding_difference_counts_the_coordinates_above_the_line():
