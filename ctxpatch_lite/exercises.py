@@ -1655,7 +1655,9 @@ def check_sign_test(fn: Callable | None) -> Checked:
             from math import comb
             n = want["n"]
             two = next((k for k in range(n + 1) if sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n <= alpha / 2), n + 1)
-            raise ExerciseError("each one-sided test runs at the full alpha; halving it is the two-sided test"
+            raise ExerciseError("the reading tests each direction at the full alpha (up to 2 alpha of false verdicts in "
+                                "all, as the lesson declares); alpha / 2 per direction would be the two-sided test "
+                                "at alpha"
                                 if got["k_star"] == two else
                                 f"with n = {n} and alpha = {alpha}, k* is {want['k_star']}, not {got['k_star']}: take "
                                 "the exact binomial tail, sum of C(n, j) / 2^n for j >= k (a normal approximation is "
