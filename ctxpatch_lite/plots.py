@@ -261,23 +261,32 @@ def paired_tvd(panels: list, title: str = ""):
     return fig
 
 
-def rounding_difference(h_C, dh, scale, layer: int):
+def rounding_difference(h_C, dh, scale, layer: int, same=None):
     """Lesson 04b, Part 1, one layer's every coordinate: left, the rounding difference |h_hat_k - h_C,k| against
     |h_C,k| on log axes with the line y = x (above it the difference is larger than the value itself); right, the
     difference over ``scale`` (one bfloat16 step of the size of the terms the coordinate sums, the ruler the lesson
-    predicts it by), on a log axis, with the line at 1. Sizes of exactly 0 cannot sit on a log axis: they are counted
-    in the legends, not drawn."""
+    predicts it by), on a log axis, with the line at 1. ``same`` (optional boolean mask): the coordinates whose
+    bfloat16 product came out bit-identical in the two passes, drawn in their own colour on the left. Sizes of
+    exactly 0 cannot sit on a log axis: they are counted in the legends, not drawn."""
     h_C, dh, scale = (np.abs(_host(x)).astype(float).reshape(-1) for x in (h_C, dh, scale))
     if not (h_C.size == dh.size == scale.size) or h_C.size == 0:
         raise ValueError("rounding_difference needs h_C, dh and scale of one common, nonzero length")
     if not (np.isfinite(h_C).all() and np.isfinite(dh).all() and np.isfinite(scale).all()):
         raise ValueError("rounding_difference: every value must be finite")
+    same = np.zeros(h_C.size, dtype=bool) if same is None else _host(same).astype(bool).reshape(-1)
+    if same.size != h_C.size:
+        raise ValueError("rounding_difference: same must mark each coordinate (one boolean per value of h_C)")
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 4.0))
     drawn = (h_C > 0) & (dh > 0)
     over = int((dh > h_C).sum())
-    ax.plot(h_C[drawn], dh[drawn], ".", color="tab:blue", alpha=0.5, ms=4,
-            label=f"one coordinate each ({int(drawn.sum())}" + (f"; {h_C.size - int(drawn.sum())} with a 0, not drawn"
-                                                                if not drawn.all() else "") + ")")
+    zeros = h_C.size - int(drawn.sum())
+    for mask, color, what in ((~same, "tab:blue", "product differs" if same.any() else "one coordinate each"),
+                              (same, "tab:orange", "product bit-identical")):
+        if (mask & drawn).any():
+            ax.plot(h_C[mask & drawn], dh[mask & drawn], ".", color=color, alpha=0.5, ms=4,
+                    label=f"{what} ({int((mask & drawn).sum())})")
+    if zeros:
+        ax.plot([], [], " ", label=f"{zeros} with a 0, not drawn")
     lo = min(h_C[drawn].min(), dh[drawn].min()) / 2 if drawn.any() else 1e-6
     hi = max(h_C[drawn].max(), dh[drawn].max()) * 2 if drawn.any() else 1.0
     ax.plot([lo, hi], [lo, hi], "--", color="black", lw=1, label=f"y = x (above it: {over} coordinates)")

@@ -221,7 +221,14 @@ def test_rounding_difference_counts_the_coordinates_above_the_line():
     fig = plots.rounding_difference(h_C, dh, torch.full((4,), 1e-2), layer=3)
     ax, ax2 = fig.axes
     texts = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "above it: 2 coordinates" in texts[1] and "1 with a 0, not drawn" in texts[0]
+    assert any("above it: 2 coordinates" in t for t in texts) and "1 with a 0, not drawn" in texts
+    assert "one coordinate each (3)" in texts
+    marked = plots.rounding_difference(h_C, dh, torch.full((4,), 1e-2), layer=3,
+                                       same=torch.tensor([False, True, False, False])).axes[0]
+    texts = [t.get_text() for t in marked.get_legend().get_texts()]
+    assert "product differs (2)" in texts and "product bit-identical (1)" in texts   # the zero is counted apart
+    with pytest.raises(ValueError, match="each coordinate"):
+        plots.rounding_difference(h_C, dh, dh, layer=0, same=[True])
     assert ax.get_xscale() == ax.get_yscale() == ax2.get_xscale() == "log"
     assert any("largest 0.2" in t.get_text() for t in ax2.get_legend().get_texts())
     with pytest.raises(ValueError, match="common"):
