@@ -121,3 +121,19 @@ def error_formula_row(layer: int, act, rec, m, misses_actual: tuple, misses_reco
             "step": float(bf16_step(t_max[None])[0] / t_max),
             "max_target": float(t_max),
             "same_h": bool(torch.equal(rec.h, act.h))}
+
+
+def sign_test(d, alpha: float = 0.01) -> dict:
+    """Lesson 04, Part B: the paired sign test, one-sided each way at level ``alpha``. ``d``: the
+    per-token differences (a sequence of floats). Ties (d == 0) are dropped; n counts the rest. k* is the smallest k
+    with P(X >= k) <= alpha for X ~ Bin(n, 1/2) (n + 1 when no k qualifies). Returns n, the counts ``pos`` (d > 0) and
+    ``neg`` (d < 0), ``k_star``, and ``verdict``: +1 if pos >= k*, -1 if neg >= k*, else 0."""
+    from math import comb
+
+    pos = sum(1 for x in d if x > 0)
+    neg = sum(1 for x in d if x < 0)
+    n = pos + neg
+    tail = lambda k: sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n
+    k_star = next((k for k in range(n + 1) if tail(k) <= alpha), n + 1)
+    return {"n": n, "pos": pos, "neg": neg, "k_star": k_star,
+            "verdict": 1 if pos >= k_star else -1 if neg >= k_star else 0}

@@ -394,7 +394,7 @@ def distributions(values: dict, xlabel: str, title: str):
     return fig
 
 
-def update_norms(rows: list[dict], title: str = "Update norms per variant (median over tokens)"):
+def update_norms(rows: list[dict], title: str = "Update norms per configuration (median over tokens)"):
     """Bar chart: matrix-patch norm vs vector (Δm) norm per configuration, log scale."""
     fig, ax = plt.subplots(figsize=(8, 3.6))
     x = np.arange(len(rows))

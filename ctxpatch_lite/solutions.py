@@ -216,19 +216,3 @@ def hard_case_y(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     y = torch.where(at_min, torch.zeros_like(g), g * m / torch.where(at_min, torch.ones_like(m2), m2 - m2.min()))
     leftover = g.numel() - float((y ** 2).sum())
     return torch.where(at_min, torch.full_like(g, (max(leftover, 0.0) / int(at_min.sum())) ** 0.5), y)
-
-
-def sign_test(d, alpha: float = 0.01) -> dict:
-    """Lesson 04, Exercise 4: the paired sign test of Part B, one-sided each way at level ``alpha``. ``d``: the
-    per-token differences (a sequence of floats). Ties (d == 0) are dropped; n counts the rest. k* is the smallest k
-    with P(X >= k) <= alpha for X ~ Bin(n, 1/2) (n + 1 when no k qualifies). Returns n, the counts ``pos`` (d > 0) and
-    ``neg`` (d < 0), ``k_star``, and ``verdict``: +1 if pos >= k*, -1 if neg >= k*, else 0."""
-    from math import comb
-
-    pos = sum(1 for x in d if x > 0)
-    neg = sum(1 for x in d if x < 0)
-    n = pos + neg
-    tail = lambda k: sum(comb(n, j) for j in range(k, n + 1)) / 2 ** n
-    k_star = next((k for k in range(n + 1) if tail(k) <= alpha), n + 1)
-    return {"n": n, "pos": pos, "neg": neg, "k_star": k_star,
-            "verdict": 1 if pos >= k_star else -1 if neg >= k_star else 0}

@@ -914,39 +914,3 @@ def test_exact_zeros_wrong_answers():
             "computes it in float32")
     rejects(ex.check_exact_zeros, lambda W, h, t: torch.ones(W.shape[0], dtype=torch.bool), "expected False")
     rejects(ex.check_exact_zeros, lambda W, h, t: sol.exact_zeros(W, h, t).float(), "boolean")
-
-
-# --------------------------------------------------------------------------------- Part B's paired sign test (04)
-def _sign(d, alpha, keep_ties=False, more_than=False, level=None, normal=False):
-    """A sign test written several ways, right and wrong, for the check's tests."""
-    from math import comb, erf, sqrt
-    pos, neg = sum(x > 0 for x in d), sum(x < 0 for x in d)
-    n = len(d) if keep_ties else pos + neg
-    a = alpha if level is None else level
-    if normal:
-        z = lambda k: 0.5 * (1 - erf((k - n / 2) / sqrt(n / 4) / sqrt(2)))
-        k_star = next((k for k in range(n + 1) if z(k) <= a), n + 1)
-    else:
-        tail = lambda k: sum(comb(n, j) for j in range(k + int(more_than), n + 1)) / 2 ** n
-        k_star = next((k for k in range(n + 1) if tail(k) <= a), n + 1)
-    return {"n": n, "pos": pos, "neg": neg, "k_star": k_star,
-            "verdict": 1 if pos >= k_star else -1 if neg >= k_star else 0}
-
-
-def test_sign_test_accepts_correct_answers(capsys):
-    accepts(ex.check_sign_test, sol.sign_test, capsys)
-    accepts(ex.check_sign_test, lambda d, alpha: _sign(d, alpha) | {"note": "extra keys are fine"}, capsys)
-
-
-def test_sign_test_wrong_answers():
-    rejects(ex.check_sign_test, lambda d, alpha: _sign(d, alpha, keep_ties=True), "drop the ties")
-    rejects(ex.check_sign_test, lambda d, alpha: _sign(d, alpha, more_than=True), "at least k")
-    rejects(ex.check_sign_test, lambda d, alpha: _sign(d, alpha, level=alpha / 2), "two-sided")
-    rejects(ex.check_sign_test, lambda d, alpha: _sign(d, alpha, normal=True), "k*")   # named as off by one, or by value
-    rejects(ex.check_sign_test, lambda d, alpha: _sign(d, alpha) | {"verdict": 1}, "the verdict is +1")
-    rejects(ex.check_sign_test, lambda d, alpha: (1, 2), "must return a dict")
-
-
-def test_sign_test_accepts_any_k_star_above_n_when_no_count_can_reach_the_level(capsys):
-    accepts(ex.check_sign_test, lambda d, alpha: (lambda r: r | {"k_star": float("inf")} if r["k_star"] > r["n"] else r)(
-        sol.sign_test(d, alpha)), capsys)

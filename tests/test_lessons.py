@@ -157,3 +157,18 @@ def test_full_context_is_shared_only_where_it_belongs(tiny32):
     with pytest.raises(ValueError, match="another sequence or other positions"):
         cp.run_protocol(tiny32, tok, "One two three", 2, PatchConfig(), progress=False, batched=True,
                         full_context=fc)
+
+
+def test_sign_test_drops_ties_and_reads_each_direction_at_alpha():
+    from math import comb
+    from ctxpatch_lite.lessons import sign_test
+    d = [1e-3] * 27 + [0.0] * 9 + [-1e-3] * 4                  # ties dropped: n = 31, not 40
+    r = sign_test(d, 0.01)
+    assert (r["n"], r["pos"], r["neg"]) == (31, 27, 4) and r["verdict"] == 1
+    k = r["k_star"]                                            # the smallest k with P(X >= k) <= 1 %, exactly
+    tail = lambda k: sum(comb(31, j) for j in range(k, 32)) / 2 ** 31
+    assert tail(k) <= 0.01 < tail(k - 1)
+    assert sign_test([-x for x in d], 0.01)["verdict"] == -1    # the other direction, at the same level
+    assert sign_test([1e-3] * 21 + [-1e-3] * 19, 0.01)["verdict"] == 0
+    assert sign_test([1e-3] * 5, 0.01) == {"n": 5, "pos": 5, "neg": 0, "k_star": 6, "verdict": 0}   # no k reaches 1 %
+    assert sign_test([1e-3] * 28 + [-1e-3] * 12, 0.01)["k_star"] == 28      # n = 40, as lesson 04 reads it
