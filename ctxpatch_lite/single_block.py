@@ -26,7 +26,7 @@ class SingleBlockResult:
     v_C: torch.Tensor
     z: torch.Tensor
     z_C: torch.Tensor
-    h: torch.Tensor               # N(W_down h_g) after the input patches: what the patched layer computes
+    h: torch.Tensor               # what the patched layer normalises: N(W_down h_g), or N((W_down + dW_down) h_g) if stable
     h_recorded: torch.Tensor      # N(h_down,C), the full-context pass's: what dm divides by with h_source="recorded"
     gate: Rank1                   # dW_gate by its factors (dense on demand: .dW_gate)
     up: Rank1
