@@ -1509,9 +1509,9 @@ def check_exact_zeros(fn: Callable | None) -> Checked:
                 (own_bf + corr32.to(torch.bfloat16).float()).abs() < 1e-3,
             "the correction is the target minus the own output, h_target - W_down h_g (then rounded), not its negative":
                 own_bf + (exact32 - t).to(torch.bfloat16).float() == 0,
-            "the engine subtracts the product as it computes it in float32 (W_down and h_g converted first), not the "
-            "layer's bfloat16 own output: h_target - own_bf would cancel the own output exactly wherever the target is "
-            "0, which the float32 product does not":
+            "the correction subtracts the product as the engine computes it, in float32 (W_down and h_g converted "
+            "first), not the layer's bfloat16 own output: the two differ by the own output's rounding, which decides "
+            "whether a small target cancels":
                 own_bf + (t - own_bf).to(torch.bfloat16).float() == 0,
         }
         hint = next((k for k, v in named.items() if torch.equal(out, v)), None)

@@ -911,6 +911,6 @@ def test_exact_zeros_wrong_answers():
     rejects(ex.check_exact_zeros, lambda W, h, t: own(W, h) + (W.float() @ h - t).bfloat16().float() == 0,
             "check its sign")
     rejects(ex.check_exact_zeros, lambda W, h, t: own(W, h) + (t - own(W, h)).bfloat16().float() == 0,
-            "computes it in float32")
+            "as the engine computes it, in float32")
     rejects(ex.check_exact_zeros, lambda W, h, t: torch.ones(W.shape[0], dtype=torch.bool), "expected False")
     rejects(ex.check_exact_zeros, lambda W, h, t: sol.exact_zeros(W, h, t).float(), "boolean")
