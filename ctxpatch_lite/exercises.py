@@ -36,6 +36,8 @@ check                  the property                                     typical 
                        (powers of two and their neighbours included)    half a step, the sign, 0
 ``check_hard_case_y``  04b: mu = min m^2, the formula away from it,     the leftover dropped, spread over every
                        mean(y^2) = 1 (any split of the leftover)        coordinate, split without a square root
+``check_sum_``         04b: kappa_k = sum_j |W_kj x_j| / |(W x)_k| to    abs of the sum, 1 / kappa, no abs below, float32,
+``condition``          1e-9, inf where the sum is 0                     the vector's RMS below, product of sums
 =====================  ===============================================  =================================================
 """
 from __future__ import annotations
@@ -1177,7 +1179,7 @@ def check_stable_patch(fn: Callable | None) -> Checked:
             elif _rel(dm, -mu / m) < 1e-12:
                 hint = ("your Δm is −μ*/m, which is what you get with N(h_target) = y, that is without ε: N includes "
                         "Gemma's ε, N(t) = t / sqrt(mean(t²) + eps) (the eps argument), and it moves Δm_k by about "
-                        "m_k ε / (2 RMS(h_target)²). Compute Δm = (g − m ⊙ N(h_target)) ⊘ N(h_target) with that N")
+                        "δ (m_k − μ*/m_k), δ = ε / (2 RMS(h_target)²). Compute Δm = (g − m ⊙ N(h_target)) ⊘ N(h_target) with that N")
             raise ExerciseError(hint or f"(m + Δm) ⊙ N(h_target) should equal g; they differ by {err:.2e} (relative): "
                                         "Δm = (g − m ⊙ N(h_target)) ⊘ N(h_target)")
         c0 = float(h_down_C.pow(2).mean().sqrt())
@@ -1258,71 +1260,80 @@ def check_naive_miss(fn: Callable | None) -> Checked:
     return Checked("naive_miss", fn, own, {"cases": len(cases), "max_error": worst})
 
 
-# ------------------------------------------------------------------------------- 04b: the two misses of one layer
-def _layer_cases() -> list:
-    """Stand-ins for single_block_patch results, as a bfloat16 layer gives them: h, h_recorded, out_patched and
-    out_target in bfloat16 (some outputs far from their targets, where a bfloat16 difference rounds), dm in float32,
-    a scale with an exact zero."""
-    from types import SimpleNamespace
-    g, cases = _gen(710), []
-    for n in (16, 64):
-        h_rec = torch.randn(n, generator=g).to(torch.bfloat16)
-        h = (h_rec.float() + 1e-2 * torch.randn(n, generator=g)).to(torch.bfloat16)
-        target = (50 * torch.randn(n, generator=g)).to(torch.bfloat16)
-        out = (target.float() + torch.randn(n, generator=g)).to(torch.bfloat16)
-        out[: n // 4] = (300 + 10 * torch.rand(n // 4, generator=g)).to(torch.bfloat16)   # far from their targets
-        target[: n // 4] = (1e-2 * torch.randn(n // 4, generator=g)).to(torch.bfloat16)
-        h[n // 4: n // 2] = (300 + 10 * torch.rand(n // 4, generator=g)).to(torch.bfloat16)   # h_hat far from h_C
-        h_rec[n // 4: n // 2] = (1e-2 * torch.randn(n // 4, generator=g)).to(torch.bfloat16)
-        dm = 1e3 * torch.randn(n, generator=g)
-        m = 1 + torch.rand(n, generator=g)
-        m[1] = 0.0
-        res = SimpleNamespace(h=h, h_recorded=h_rec, dm=dm, out_patched=out, out_target=target)
-        cases += [(res, m, div) for div in ("recorded", "actual")]
+# ------------------------------------------------------------------------ 04b: the condition number of a sum
+def _condition_cases() -> list:
+    """(W, x) pairs as a bfloat16 layer's down projection meets them: float32 tensors, with a third of the rows
+    built so that their terms nearly cancel (kappa up to about 1e5: a float32 sum is off there by a good part of
+    the sum itself), a row whose sum is exactly 0, and d != f so that a transposed product cannot pass."""
+    g, cases = _gen(720), []
+    for d, f in ((24, 40), (48, 96)):
+        W = torch.randn(d, f, generator=g, dtype=torch.float64)
+        x = torch.randn(f, generator=g, dtype=torch.float64).abs() + 0.1
+        W, x = W.to(torch.bfloat16).double(), x.to(torch.bfloat16).double()
+        for k in range(d // 3):                       # a third of the rows: the terms nearly cancel
+            last = -(W[k, :-1] @ x[:-1]) / x[-1]
+            W[k, -1] = last * (1 + 1e-6)
+        W[d - 1] = 0.0                                 # a row whose sum is exactly 0: two equal terms of opposite sign
+        W[d - 1, 0], W[d - 1, 1], x[1] = 0.5, -0.5, x[0]
+        cases.append((W.float(), x.float()))
     return cases
 
 
-def check_layer_misses(fn: Callable | None) -> Checked:
-    """04b: ``fn(res, m, divide_by)`` must return ``(predicted, measured)``, float32 tensors of m's shape: the miss
-    that naive_miss predicts from m, res.dm and dh = res.h - res.h_recorded, and the measured res.out_patched -
-    res.out_target, each converted to float32 before it is subtracted. Checked on stand-ins for a bfloat16 layer's
-    result, some with h_hat far from h_C and outputs far from their targets, where a bfloat16 difference rounds
-    (exactly for the measured miss, to 1e-6 for the predicted one)."""
-    cases = _layer_cases()
-    fn, own = _begin("layer_misses", fn, cases[0])
-    for res, m, div in cases:
-        out = _call(fn, (res, m, div), "layer_misses")
-        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
-            raise ExerciseError("layer_misses must return a pair of tensors, (predicted, measured)")
-        pred, meas = (t.float() for t in out)
-        want_p, want_m = solutions.layer_misses(res, m, div)
-        if pred.shape != m.shape or meas.shape != m.shape:
-            raise ExerciseError(f"both tensors must have m's shape {tuple(m.shape)}, one value per coordinate")
-        if _close(pred, want_p, 1e-6) and torch.equal(meas, want_m):
-            continue                                                   # right: the diagnoses below are for wrong answers
-        if _close(pred, want_m, 1e-2) and _close(meas, want_p, 1e-2):      # a diagnosis: loose on purpose
-            raise ExerciseError("the order: return (predicted, measured), the prediction first")
-        if _close(pred, -want_p, 1e-6):
-            raise ExerciseError("the sign of dh: it is ĥ − h_C, res.h (what the patched layer computed) minus "
-                                "res.h_recorded (the full-context pass's)")
-        if _close(pred, solutions.naive_miss(m.float(), res.dm.float(), (res.h - res.h_recorded).float(), div), 1e-6):
-            raise ExerciseError("convert res.h and res.h_recorded to float32 before subtracting: their difference taken "
-                                "in bfloat16 is rounded again to 8 significant bits")
-        if not _close(pred, want_p, 1e-6):
-            raise ExerciseError(f"with divide_by={div!r} your predicted miss is not naive_miss(m, res.dm, "
-                                f"res.h − res.h_recorded, divide_by): pass your naive_miss those three, in float32")
-        if torch.equal(meas, -want_m):
-            raise ExerciseError("the measured miss is the patched output minus the target: res.out_patched − "
-                                "res.out_target")
-        if not torch.equal(meas, want_m):
-            taken = (res.out_patched - res.out_target).float()
-            raise ExerciseError("convert each output to float32 before subtracting: a difference taken in bfloat16 "
-                                "is rounded again to 8 significant bits" if torch.equal(meas, taken) else
-                                "your measured miss is not res.out_patched − res.out_target (in float32)")
-    print(f"✓ layer_misses ({_whose(own)}): the predicted and the measured miss for both divisors, on {len(cases)} "
-          f"stand-ins for a bfloat16 layer (h_hat far from h_C and outputs far from their targets included, where a "
-          f"bfloat16 difference rounds)")
-    return Checked("layer_misses", fn, own, {"cases": len(cases)})
+def check_sum_condition(fn: Callable | None) -> Checked:
+    """04b: ``fn(W, x)`` must return kappa_k = sum_j |W_kj x_j| / |sum_j W_kj x_j| for each row k of the product,
+    a float tensor of shape (d,): to 1e-9 relative where the sum is not 0, inf where it is exactly 0. The cases
+    include rows whose terms nearly cancel (kappa up to about 1e5), where a float32 or bfloat16 sum is far off (so
+    the answer must compute in float64)."""
+    cases = _condition_cases()
+    fn, own = _begin("sum_condition", fn, cases[0])
+    worst_kappa = 0.0
+    for W, x in cases:
+        out = _call(fn, (W, x), "sum_condition")
+        d = W.shape[0]
+        if not isinstance(out, torch.Tensor) or out.shape != (d,):
+            raise ExerciseError(f"sum_condition must return a tensor of shape ({d},), one kappa per row of W "
+                                f"(W is {tuple(W.shape)}, x {tuple(x.shape)}); got "
+                                f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
+        want = solutions.sum_condition(W, x)
+        out_dtype, out = out.dtype, out.double()
+        fin = torch.isfinite(want)
+        if bool(((out[fin] - want[fin]).abs() <= 1e-9 * want[fin]).all()) and bool((out[~fin] == want[~fin]).all()):
+            worst_kappa = max(worst_kappa, float(want[fin].max()))
+            continue
+        if out_dtype != torch.float64 and bool(((out[fin] - want[fin]).abs() <= 1e-5 * want[fin]).all()):
+            raise ExerciseError(f"return float64: your kappa is {out_dtype} and agrees only to that dtype's precision, "
+                                f"while the check asks for 1e-9 (compute in float64 and keep the result in float64)")
+        W64, x64 = W.double(), x.double()
+        s64 = W64 @ x64
+        wrong = {
+            "kappa is 1 on every row: take the absolute value of each term W_kj x_j before you sum, not of the sum "
+            "(|sum_j W_kj x_j| / |sum_j W_kj x_j| is always 1)": torch.ones_like(want),
+            "you returned 1 / kappa: the terms' size sum_j |W_kj x_j| goes on top, the sum's size |sum_j W_kj x_j| "
+            "below (kappa >= 1)": s64.abs() / (W64.abs() @ x64.abs()),
+            "some of your values are negative: divide by the size of the sum, |sum_j W_kj x_j|": (W64.abs() @ x64.abs()) / s64,
+            "compute in float64: where the terms cancel, a float32 sum is off by a good part of the sum itself (convert "
+            "W and x with .double() before the product)": ((W.abs() @ x.abs()) / (W @ x).abs()).double(),
+            "compute in float64, not bfloat16: where the terms cancel, a bfloat16 sum can be off by more than the sum "
+            "itself (convert W and x with .double() before the product)":
+                ((W.bfloat16().abs() @ x.bfloat16().abs()) / (W.bfloat16() @ x.bfloat16()).abs()).double(),
+            "each row's terms' size is divided by that row's own |sum_j W_kj x_j|, not by a size of the whole "
+            "product vector (its RMS or norm)": (W64.abs() @ x64.abs()) / s64.pow(2).mean().sqrt(),
+            "the terms are W_kj x_j, one per j: sum_j |W_kj| |x_j|, not (sum_j |W_kj|)(sum_j |x_j|)":
+                (W64.abs().sum(1) * x64.abs().sum()) / s64.abs(),
+        }
+        for hint, result in wrong.items():
+            r_fin = torch.isfinite(result) & fin
+            if bool(r_fin.any()) and bool(((out[r_fin] - result[r_fin]).abs() <= 1e-6 * result[r_fin].abs()).all()):
+                raise ExerciseError(hint)
+        if bool(fin.all()) is False and not bool((out[~fin] == want[~fin]).all()):
+            raise ExerciseError("a row whose sum is exactly 0 has kappa = inf (terms of nonzero size, a sum of 0): "
+                                "let the division give inf there, or return float('inf')")
+        k = int((~((out - want).abs() <= 1e-9 * want)).logical_and(fin).nonzero()[0])
+        raise ExerciseError(f"row {k}: your kappa is {float(out[k]):.6g}, sum_j |W_kj x_j| / |sum_j W_kj x_j| is "
+                            f"{float(want[k]):.6g} (computed in float64)")
+    print(f"✓ sum_condition ({_whose(own)}): kappa on {len(cases)} products (rows whose terms nearly cancel, kappa up "
+          f"to {worst_kappa:.1e}, and a sum of exactly 0), in float64")
+    return Checked("sum_condition", fn, own, {"cases": len(cases), "max_kappa": worst_kappa})
 
 
 # ------------------------------------------------------------------------------------------ 04b: one bfloat16 step

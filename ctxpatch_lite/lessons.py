@@ -7,6 +7,7 @@ the ``h`` the patched pass computes | the one recorded with the context) on the 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from tqdm.auto import tqdm
 
@@ -33,7 +34,7 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
     baseline's top-2 margin in steps of the model's dtype), ``lost_wide`` (those whose margin was above 2 steps, so
     not a tie that rounding decides), the per-step TVDs, the fallbacks (all,
     and those on coordinates whose scale ``m_k`` is 0), the Appendix B hard cases, the largest norm one token's
-    fallbacks left out (``miss``), the zero-scale coordinates inside hard cases (``m0_hard``, from
+    fallbacks left out (``miss``), the hard cases per layer (``hard_layers``: layer -> count), the zero-scale coordinates inside hard cases (``m0_hard``, from
     ``zero_scales``: layer -> count of ``m_k == 0``), and the median over steps of the patches' norms
     (``dm_norm``, ``matrix_norm``, and their root-sum-square ``total_norm``), each norm taken over all layers; and
     ``steps``, one record per prompt and step in that order (its token match, L_inf, the baseline's margin in steps
@@ -83,6 +84,8 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
             "hard_cases": sum(x["hard_cases"] for x in d), "miss": max(x["fallback_miss"] for x in d),
             "m0_hard": sum(zero_scales.get(l, 0) for x in d
                            for l, hc in zip(x["per_layer"]["layer"], x["per_layer"]["hard_case"]) if hc),
+            "hard_layers": dict(sorted(Counter(l for x in d for l, hc in zip(x["per_layer"]["layer"],
+                                                                               x["per_layer"]["hard_case"]) if hc).items())),
             "dm_norm": med([x["dm_norm"] for x in d]), "matrix_norm": med([x["matrix_norm"] for x in d]),
             "total_norm": med([math.hypot(x["matrix_norm"], x["dm_norm"]) for x in d]),
             "steps": [{"prompt": p["id"], "step": st["step"], "match": st["match"], "linf": st["linf"],
@@ -99,10 +102,22 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
     return rows
 
 
+def layer_misses(res, m, divide_by: str) -> tuple:
+    """Lesson 04b, Part 1: for one layer patched alone with the naive patch (``res``, a ``single_block_patch``
+    result), the miss per coordinate that lesson 04's ``naive_miss`` predicts from m, res.dm and dh = res.h -
+    res.h_recorded, and the miss the layer made, res.out_patched - res.out_target: ``(predicted, measured)``, both
+    float32, each tensor converted before it is subtracted (a difference taken in bfloat16 is rounded again)."""
+    from .solutions import naive_miss
+    if divide_by not in ("recorded", "actual"):
+        raise ValueError(f"divide_by must be 'recorded' or 'actual', got {divide_by!r}")
+    predicted = naive_miss(m.float(), res.dm.float(), res.h.float() - res.h_recorded.float(), divide_by)
+    return predicted, res.out_patched.float() - res.out_target.float()
+
+
 def error_formula_row(layer: int, act, rec, m, misses_actual: tuple, misses_recorded: tuple, bf16_step) -> dict:
     """Lesson 04b, Part 1: one layer's record for the error-formula tables, from the naive patch of that layer alone
     with each divisor (``act``, ``rec``: ``single_block_patch`` results), its scale ``m`` (float32), the
-    ``(predicted, measured)`` misses per coordinate that the learner's ``layer_misses`` returned for each, and the
+    ``(predicted, measured)`` misses per coordinate that ``layer_misses`` returned for each, and the
     learner's ``bf16_step``. The coordinate ``k`` is where the predicted ``recorded`` miss is largest; the record
     holds the ingredients there, both misses for both divisors, and the ruler of the first table (one bfloat16 step of
     the layer's largest target output, over that output)."""

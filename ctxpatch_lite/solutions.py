@@ -20,6 +20,7 @@ lesson                   the function you write                             the 
 04                       ``naive_miss(m, dm, dh, divide_by)``               ``exercises.check_naive_miss``
 04b bfloat16 up close    ``bf16_step(x)``                                   ``exercises.check_bf16_step``
 04b                      ``hard_case_y(g, m) -> y``                         ``exercises.check_hard_case_y``
+04b                      ``sum_condition(W, x) -> kappa``                   ``exercises.check_sum_condition``
 =======================  =================================================  ===========================
 """
 from __future__ import annotations
@@ -166,14 +167,14 @@ def naive_miss(m: torch.Tensor, dm: torch.Tensor, dh: torch.Tensor, divide_by: s
     return (m + dm) * dh if divide_by == "recorded" else m * dh
 
 
-def layer_misses(res, m: torch.Tensor, divide_by: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lesson 04b, Exercise 2: for one layer patched alone (``res``, a ``single_block_patch`` result), the miss per
-    coordinate that ``naive_miss`` predicts from m, res.dm and dh = res.h - res.h_recorded, and the miss the layer
-    made, res.out_patched - res.out_target; both float32, each converted before it is subtracted (a difference
-    taken in bfloat16 rounds again)."""
-    predicted = naive_miss(m.float(), res.dm.float(), res.h.float() - res.h_recorded.float(), divide_by)
-    measured = res.out_patched.float() - res.out_target.float()
-    return predicted, measured
+def sum_condition(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Lesson 04b, Exercise 2: the condition number of each coordinate of the product W x, kappa_k =
+    sum_j |W_kj x_j| / |sum_j W_kj x_j|: how much the terms' size exceeds the sum they give. If every term moves by a
+    relative delta, the sum moves by up to delta sum_j |W_kj x_j|, so relative to itself by up to delta kappa_k.
+    float64 throughout (where the terms cancel, a float32 or bfloat16 sum loses the very digits kappa measures);
+    inf where the sum is exactly 0. ``W``: (d, f); ``x``: (f,). Returns float64 (d,)."""
+    W, x = W.double(), x.double()
+    return (W.abs() @ x.abs()) / (W @ x).abs()
 
 
 def bf16_step(x: torch.Tensor) -> torch.Tensor:

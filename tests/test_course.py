@@ -118,7 +118,7 @@ EXERCISES = {"rms_norm": "01_gemma_block", "gemma_block": "01_gemma_block", "inp
              "secular_root": "04_numerical_stability", "stable_patch": "04_numerical_stability",
              "naive_miss": "04_numerical_stability", "bf16_step": "04b_bfloat16_up_close",
              "hard_case_y": "04b_bfloat16_up_close", "cause2_candidates": "04b_bfloat16_up_close",
-             "layer_misses": "04b_bfloat16_up_close", "exact_zeros": "04b_bfloat16_up_close"}
+             "sum_condition": "04b_bfloat16_up_close", "exact_zeros": "04b_bfloat16_up_close"}
 
 
 def test_every_exercise_is_a_stub_followed_by_its_check():

@@ -34,7 +34,8 @@ def accepts(check, fn, capsys, **kw):
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y",
-                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates", "exact_zeros"])
+                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates", "exact_zeros",
+                                  "sum_condition"])
 def test_a_stub_runs_the_solution_and_says_so(name, capsys):
     c = getattr(ex, f"check_{name}")(stub)
     out = capsys.readouterr().out
@@ -44,7 +45,8 @@ def test_a_stub_runs_the_solution_and_says_so(name, capsys):
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "input_patch", "scale_patch", "secular_root", "hard_case_y",
-                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates", "exact_zeros"])
+                                  "patched_layer", "bf16_step", "run_schedule", "cause2_candidates", "exact_zeros",
+                                  "sum_condition"])
 def test_a_check_run_twice_never_calls_the_solution_yours(name, capsys):
     """Running a check cell again feeds it its own result: after a stub, that is still the package's solution."""
     check = getattr(ex, f"check_{name}")
@@ -564,38 +566,45 @@ def test_naive_miss_accepts_every_correct_answer(capsys):
     assert not c.own and "naive_miss is not written yet" in capsys.readouterr().out
 
 
-def test_layer_misses_accepts_every_correct_answer(capsys):
-    def by_hand(res, m, divide_by):                    # the formulas written out instead of calling naive_miss
-        dh = res.h.float() - res.h_recorded.float()
-        pred = (m + res.dm.float()) * dh if divide_by == "recorded" else m * dh
-        return pred, res.out_patched.float() - res.out_target.float()
+def test_sum_condition_accepts_every_correct_answer(capsys):
+    def termwise(W, x):                                # the terms written out, then summed row by row
+        terms = W.double() * x.double()
+        return terms.abs().sum(1) / terms.sum(1).abs()
 
-    def float64(res, m, divide_by):                    # a wider float gives the same float32 answers
-        p, q = sol.layer_misses(res, m, divide_by)
-        return p.double(), res.out_patched.double() - res.out_target.double()
+    def einsum(W, x):                                  # |W| |x| is |W x| term by term
+        W, x = W.double(), x.double()
+        return torch.einsum("kj,j->k", W.abs(), x.abs()) / torch.einsum("kj,j->k", W, x).abs()
 
-    for fn in (sol.layer_misses, by_hand, float64):
-        c, out = accepts(ex.check_layer_misses, fn, capsys)
-        assert c.report["cases"] == 4
+    def rows(W, x):                                    # a loop, float('inf') set by hand where the sum is 0
+        out = []
+        for w in W.double():
+            s = float(w @ x.double())
+            out.append(float((w * x.double()).abs().sum()) / abs(s) if s != 0 else float("inf"))
+        return torch.tensor(out, dtype=torch.float64)
 
-    def stub(res, m, divide_by):
-        raise NotImplementedError
-    c = ex.check_layer_misses(stub)
-    assert not c.own and "layer_misses is not written yet" in capsys.readouterr().out
+    for fn in (sol.sum_condition, termwise, einsum, rows):
+        c, out = accepts(ex.check_sum_condition, fn, capsys)
+        assert c.report["cases"] == 2 and c.report["max_kappa"] > 1e4     # rows that nearly cancel are checked
+    c = ex.check_sum_condition(stub)
+    assert not c.own and "sum_condition is not written yet" in capsys.readouterr().out
 
 
-def test_layer_misses_wrong_answers():
-    right = sol.layer_misses
-    rejects(ex.check_layer_misses, lambda r, m, d: right(r, m, d)[0], "a pair of tensors")
-    rejects(ex.check_layer_misses, lambda r, m, d: right(r, m, d)[::-1], "the order")
-    rejects(ex.check_layer_misses, lambda r, m, d: (-right(r, m, d)[0], right(r, m, d)[1]), "the sign of dh")
-    rejects(ex.check_layer_misses, lambda r, m, d: (right(r, m, d)[0], -right(r, m, d)[1]), "patched output minus")
-    rejects(ex.check_layer_misses, lambda r, m, d: (right(r, m, d)[0], (r.out_patched - r.out_target).float()),
-            "before subtracting")
-    rejects(ex.check_layer_misses, lambda r, m, d: (sol.naive_miss(m, r.dm, (r.h - r.h_recorded).float(), d),
-                                                    right(r, m, d)[1]), "res.h and res.h_recorded to float32")
-    rejects(ex.check_layer_misses, lambda r, m, d: (sol.naive_miss(m, r.dm, r.h.float() - r.h_recorded.float(),
-                                                                    "actual"), right(r, m, d)[1]), "divide_by")
+def test_sum_condition_wrong_answers():
+    d = lambda t: t.double()  # noqa: E731
+    rejects(ex.check_sum_condition, lambda W, x: (d(W) @ d(x)).abs() / (d(W) @ d(x)).abs(), "kappa is 1")
+    rejects(ex.check_sum_condition, lambda W, x: (d(W) @ d(x)).abs() / (d(W).abs() @ d(x).abs()), "1 / kappa")
+    rejects(ex.check_sum_condition, lambda W, x: (d(W).abs() @ d(x).abs()) / (d(W) @ d(x)), "negative")
+    rejects(ex.check_sum_condition, lambda W, x: (W.abs() @ x.abs()) / (W @ x).abs(), "compute in float64")
+    rejects(ex.check_sum_condition, lambda W, x: ((W.bfloat16().abs() @ x.bfloat16().abs())
+                                                  / (W.bfloat16() @ x.bfloat16()).abs()), "not bfloat16")
+    rejects(ex.check_sum_condition, lambda W, x: (d(W).abs() @ d(x).abs()) / (d(W) @ d(x)).pow(2).mean().sqrt(),
+            "that row's own")
+    rejects(ex.check_sum_condition, lambda W, x: d(W).abs().sum(1) * d(x).abs().sum() / (d(W) @ d(x)).abs(),
+            "one per j")
+    rejects(ex.check_sum_condition, lambda W, x: torch.nan_to_num(sol.sum_condition(W, x), posinf=0.0), "inf")
+    rejects(ex.check_sum_condition, lambda W, x: sol.sum_condition(W, x).sum(), "shape")
+    rejects(ex.check_sum_condition, lambda W, x: sol.sum_condition(W, x).float(), "return float64")
+    rejects(ex.check_sum_condition, lambda W, x: W.T.abs() @ x.abs(), "raised")
 
 
 def test_naive_miss_wrong_answers():

@@ -69,8 +69,50 @@ def test_variant_runs_rows_on_a_tiny_model(tiny32):
         assert max(x["miss"] for x in r["steps"]) == r["miss"]          # the row's miss is its worst step's
         assert all(x["dv_norm"] > 0 and x["miss"] >= 0 for x in r["steps"])
         assert all(abs(math.hypot(*x["miss_by_layer"]) - x["miss"]) <= 1e-9 * (1 + x["miss"]) for x in r["steps"])
+        assert sum(r["hard_layers"].values()) == r["hard_cases"]     # the hard cases, by layer
+        assert all(0 <= l < tiny32.config.num_hidden_layers and c > 0 for l, c in r["hard_layers"].items())
     assert rows[0]["n_match"] == 6                            # float32 naive/actual keeps its own greedy tokens
     assert all(r["hard_cases"] == 0 for r in rows[:2])        # the naive variant never solves Appendix B
+
+
+def test_layer_misses_predicts_and_measures_in_float32():
+    """``layer_misses``: the naive miss lesson 04 derived, from m, dm and h_hat - h_C with both bfloat16 tensors
+    converted before the subtraction, and the measured output minus target, converted likewise (a bfloat16
+    difference would round to 8 bits: the stand-in's outputs sit far from their targets, where it does)."""
+    from types import SimpleNamespace
+
+    from ctxpatch_lite.lessons import layer_misses
+    g = torch.Generator().manual_seed(3)
+    h_rec = torch.randn(32, generator=g).to(torch.bfloat16)
+    h = (h_rec.float() + 1e-2 * torch.randn(32, generator=g)).to(torch.bfloat16)
+    target = (1e-2 * torch.randn(32, generator=g)).to(torch.bfloat16)
+    out = (300 + 10 * torch.rand(32, generator=g)).to(torch.bfloat16)
+    dm, m = 1e3 * torch.randn(32, generator=g), 1 + torch.rand(32, generator=g)
+    res = SimpleNamespace(h=h, h_recorded=h_rec, dm=dm, out_patched=out, out_target=target)
+    dh = h.float() - h_rec.float()
+    for div, want in (("recorded", (m + dm) * dh), ("actual", m * dh)):
+        pred, meas = layer_misses(res, m, div)
+        assert pred.dtype == meas.dtype == torch.float32
+        assert torch.equal(pred, want) and torch.equal(meas, out.float() - target.float())
+    assert not torch.equal(meas, (out - target).float())           # the bfloat16 difference would have rounded
+    with pytest.raises(ValueError, match="divide_by"):
+        layer_misses(res, m, "h_C")
+
+
+def test_variant_runs_counts_hard_cases_by_layer():
+    """A layer whose scales are all 0 but one large one meets its target on that one coordinate with norm to spare:
+    an Appendix B hard case at every token, on that layer only, and none of its zero scales falls back."""
+    model = tiny_gemma3(seed=0, dtype="float32")
+    w = model.model.layers[1].post_feedforward_layernorm.weight
+    with torch.no_grad():
+        w.fill_(-1.0)                                          # m = 1 + w = 0 ...
+        w[0] = 20.0                                            # ... except one scale of 21
+    prompts = [{"id": "a", "text": "The cat sat on"}, {"id": "b", "text": "One two three"}]
+    rows = variant_runs(model, tiny_tokenizer(), prompts, 3, zero_scales={1: w.numel() - 1},
+                        configurations=[("stable", "actual"), ("stable", "recorded")])
+    for r in rows:
+        assert r["hard_cases"] == 6 and r["hard_layers"] == {1: 6}
+        assert r["m0_hard"] == 6 * (w.numel() - 1) and r["fallbacks_m0"] == 0
 
 
 def test_variant_runs_a_subset_of_configurations(tiny32):
