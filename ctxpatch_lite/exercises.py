@@ -1188,8 +1188,8 @@ def check_stable_patch(fn: Callable | None) -> Checked:
     print(f"✓ stable_patch ({_whose(own)}): on {len(cases)} problems ΔW_down is rank 1, the post-norm's new input "
           f"normalises to Appendix B's minimiser y, and (m + Δm) ⊙ N(h_target) = g, to {worst:.1e}; "
           + ("h_target has RMS(h_down_C), as in the paper" if paper_scale else
-             "yours gives h_target another scale than the paper's C0 = RMS(h_down_C) (the RMS, not the norm ‖h_down_C‖): "
-             "N ignores it, so the output is the same, but ΔW_down is another matrix"))
+             "yours gives h_target another size than the paper's, whose RMS is C0 = RMS(h_down_C): step 4's Δm takes "
+             "up the difference, so the output is the same, but ΔW_down is another matrix"))
     return Checked("stable_patch", fn, own, {"cases": len(cases), "max_error": worst, "paper_scale": paper_scale})
 
 
