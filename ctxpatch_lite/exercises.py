@@ -1325,7 +1325,7 @@ def check_sum_condition(fn: Callable | None) -> Checked:
             r_fin = torch.isfinite(result) & fin
             if bool(r_fin.any()) and bool(((out[r_fin] - result[r_fin]).abs() <= 1e-6 * result[r_fin].abs()).all()):
                 raise ExerciseError(hint)
-        if bool(fin.all()) is False and not bool((out[~fin] == want[~fin]).all()):
+        if not bool(fin.all()) and not bool((out[~fin] == want[~fin]).all()):
             raise ExerciseError("a row whose sum is exactly 0 has kappa = inf (terms of nonzero size, a sum of 0): "
                                 "let the division give inf there, or return float('inf')")
         k = int((~((out - want).abs() <= 1e-9 * want)).logical_and(fin).nonzero()[0])

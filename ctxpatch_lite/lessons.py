@@ -74,6 +74,7 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
                 bar.update()
         steps = [s for r in rs for s in r["steps"]]
         d = [s["diagnostics"] for s in steps]
+        hard_layers = Counter(l for x in d for l, hc in zip(x["per_layer"]["layer"], x["per_layer"]["hard_case"]) if hc)
         lost = [{"prompt": p["id"], "step": st["step"], "ulps": margin_in_ulps(st, dtype)}
                 for p, r in zip(prompts, rs) for st in r["steps"] if not st["match"]]
         med = lambda xs: sorted(xs)[(len(xs) - 1) // 2]  # noqa: E731  (the lower median, as torch.median)
@@ -82,10 +83,8 @@ def variant_runs(model, tokenizer, prompts: list[dict], tokens: int, zero_scales
             "lost_wide": sum(x["ulps"] > 2 for x in lost), "lost": lost, "tvd": [s["tvd"] for s in steps],
             "fallbacks": sum(x["fallbacks"] for x in d), "fallbacks_m0": sum(x["fallbacks_m0"] for x in d),
             "hard_cases": sum(x["hard_cases"] for x in d), "miss": max(x["fallback_miss"] for x in d),
-            "m0_hard": sum(zero_scales.get(l, 0) for x in d
-                           for l, hc in zip(x["per_layer"]["layer"], x["per_layer"]["hard_case"]) if hc),
-            "hard_layers": dict(sorted(Counter(l for x in d for l, hc in zip(x["per_layer"]["layer"],
-                                                                               x["per_layer"]["hard_case"]) if hc).items())),
+            "m0_hard": sum(zero_scales.get(l, 0) * c for l, c in hard_layers.items()),
+            "hard_layers": dict(sorted(hard_layers.items())),
             "dm_norm": med([x["dm_norm"] for x in d]), "matrix_norm": med([x["matrix_norm"] for x in d]),
             "total_norm": med([math.hypot(x["matrix_norm"], x["dm_norm"]) for x in d]),
             "steps": [{"prompt": p["id"], "step": st["step"], "match": st["match"], "linf": st["linf"],
@@ -107,9 +106,7 @@ def layer_misses(res, m, divide_by: str) -> tuple:
     result), the miss per coordinate that lesson 04's ``naive_miss`` predicts from m, res.dm and dh = res.h -
     res.h_recorded, and the miss the layer made, res.out_patched - res.out_target: ``(predicted, measured)``, both
     float32, each tensor converted before it is subtracted (a difference taken in bfloat16 is rounded again)."""
-    from .solutions import naive_miss
-    if divide_by not in ("recorded", "actual"):
-        raise ValueError(f"divide_by must be 'recorded' or 'actual', got {divide_by!r}")
+    from .solutions import naive_miss                 # it rejects a divide_by other than "recorded" or "actual"
     predicted = naive_miss(m.float(), res.dm.float(), res.h.float() - res.h_recorded.float(), divide_by)
     return predicted, res.out_patched.float() - res.out_target.float()
 
